@@ -1,0 +1,260 @@
+//! Building blocks: TF-"SAME" convolutions initialised from a truncated normal, and the
+//! convolution + BatchNorm + ReLU6 unit every MobileNet and extra layer is made of.
+
+use burn::module::{Module, Param, RunningState};
+use burn::nn::PaddingConfig2d;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::module::conv2d;
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{Tensor, TensorData};
+use rand::Rng;
+use rand_distr::{Distribution, StandardNormal};
+
+use crate::config::BatchNormConfig as BnSettings;
+
+/// Shape and initialisation of one convolution.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConvSpec {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    /// Depthwise (one filter per input channel) rather than dense.
+    pub depthwise: bool,
+    pub bias: bool,
+    pub init_stddev: f32,
+}
+
+/// `tf.truncated_normal_initializer`: normal draws, redrawn while more than two stddevs out.
+fn truncated_normal(len: usize, stddev: f32, rng: &mut impl Rng) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            loop {
+                let v: f32 = StandardNormal.sample(rng);
+                if v.abs() <= 2.0 {
+                    break v * stddev;
+                }
+            }
+        })
+        .collect()
+}
+
+impl ConvSpec {
+    /// A convolution with TF "SAME" padding, weights from a truncated normal, zero bias.
+    pub fn init<B: Backend>(&self, rng: &mut impl Rng, device: &B::Device) -> Conv2d<B> {
+        let groups = if self.depthwise { self.in_channels } else { 1 };
+        let mut conv = Conv2dConfig::new(
+            [self.in_channels, self.out_channels],
+            [self.kernel, self.kernel],
+        )
+        .with_stride([self.stride, self.stride])
+        .with_groups(groups)
+        .with_padding(PaddingConfig2d::Same)
+        .with_bias(self.bias)
+        .init::<B>(device);
+        let shape = [
+            self.out_channels,
+            self.in_channels / groups,
+            self.kernel,
+            self.kernel,
+        ];
+        let values = truncated_normal(shape.iter().product(), self.init_stddev, rng);
+        conv.weight = Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device));
+        if self.bias {
+            conv.bias = Some(Param::from_tensor(Tensor::zeros(
+                [self.out_channels],
+                device,
+            )));
+        }
+        conv
+    }
+}
+
+/// BatchNorm as slim's (non-fused) `batch_norm` computes it: batch statistics with the biased
+/// variance in training, moving averages `m <- decay m + (1 - decay) v` of them for inference.
+///
+/// The normalisation is applied as one per-channel affine map `x * s + t` (a 1x1 depthwise
+/// convolution), which CPU backends run far faster than four broadcast element-wise ops.
+#[derive(Module, Debug)]
+pub struct BatchNorm<B: Backend> {
+    /// Scale (`gamma`).
+    pub gamma: Param<Tensor<B, 1>>,
+    /// Offset (`beta`).
+    pub beta: Param<Tensor<B, 1>>,
+    /// Moving mean.
+    pub moving_mean: RunningState<Tensor<B, 1>>,
+    /// Moving variance.
+    pub moving_variance: RunningState<Tensor<B, 1>>,
+    epsilon: f64,
+    decay: f64,
+}
+
+impl<B: Backend> BatchNorm<B> {
+    fn new(channels: usize, settings: &BnSettings, device: &B::Device) -> Self {
+        Self {
+            gamma: Param::from_tensor(Tensor::ones([channels], device)),
+            beta: Param::from_tensor(Tensor::zeros([channels], device)),
+            moving_mean: RunningState::new(Tensor::zeros([channels], device)),
+            moving_variance: RunningState::new(Tensor::ones([channels], device)),
+            epsilon: settings.epsilon,
+            decay: settings.decay,
+        }
+    }
+
+    /// Normalises `[batch, channels, h, w]`. Batch statistics (and a moving-average update)
+    /// when the backend records gradients, moving averages otherwise.
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [batch, channels, h, w] = x.dims();
+        let device = x.device();
+        let (mean, variance) = if B::ad_enabled(&device) {
+            let count = (batch * h * w) as f64;
+            let mean = x
+                .clone()
+                .sum_dims(&[0, 2, 3])
+                .reshape([channels])
+                .div_scalar(count);
+            let mean_sq = x
+                .clone()
+                .square()
+                .sum_dims(&[0, 2, 3])
+                .reshape([channels])
+                .div_scalar(count);
+            let variance = (mean_sq - mean.clone().square()).clamp_min(0.0);
+            let keep = self.decay;
+            let update = |state: &RunningState<Tensor<B, 1>>, batch_value: &Tensor<B, 1>| {
+                let moving = state.value_sync().to_device(&device);
+                state.update(
+                    (moving.mul_scalar(keep) + batch_value.clone().detach().mul_scalar(1.0 - keep))
+                        .detach(),
+                );
+            };
+            update(&self.moving_mean, &mean);
+            update(&self.moving_variance, &variance);
+            (mean, variance)
+        } else {
+            (
+                self.moving_mean.value().to_device(&device),
+                self.moving_variance.value().to_device(&device),
+            )
+        };
+        let scale = self.gamma.val() / variance.add_scalar(self.epsilon).sqrt();
+        let shift = self.beta.val() - mean * scale.clone();
+        conv2d(
+            x,
+            scale.reshape([channels, 1, 1, 1]),
+            Some(shift),
+            ConvOptions::new([1, 1], [0, 0], [1, 1], channels),
+        )
+    }
+}
+
+/// Convolution (no bias) followed by BatchNorm and ReLU6.
+#[derive(Module, Debug)]
+pub struct ConvBnRelu6<B: Backend> {
+    /// The convolution.
+    pub conv: Conv2d<B>,
+    /// Its BatchNorm (gamma, beta, moving mean and variance).
+    pub bn: BatchNorm<B>,
+}
+
+impl<B: Backend> ConvBnRelu6<B> {
+    pub(crate) fn new(
+        spec: ConvSpec,
+        bn: &BnSettings,
+        rng: &mut impl Rng,
+        device: &B::Device,
+    ) -> Self {
+        let conv = ConvSpec {
+            bias: false,
+            ..spec
+        }
+        .init(rng, device);
+        let bn = BatchNorm::new(spec.out_channels, bn, device);
+        Self { conv, bn }
+    }
+
+    /// Applies the unit. BatchNorm uses batch statistics (and updates its moving averages)
+    /// when the backend records gradients, and the moving averages otherwise.
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.bn.forward(self.conv.forward(x)).clamp(0.0, 6.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    #[test]
+    fn batch_norm_train_and_inference() {
+        use burn::backend::Autodiff;
+        type A = Autodiff<Flex>;
+        let device = Default::default();
+        let settings = BnSettings {
+            epsilon: 0.001,
+            decay: 0.9,
+        };
+        let bn = BatchNorm::<A>::new(1, &settings, &device);
+        // one channel, values 1, 2, 3, 6: mean 3, biased variance 3.5
+        let x = Tensor::<A, 4>::from_data(
+            TensorData::new(vec![1.0f32, 2.0, 3.0, 6.0], [1, 1, 2, 2]),
+            &device,
+        );
+        let y = bn.forward(x).into_data().to_vec::<f32>().unwrap();
+        let sd = (3.5f32 + 0.001).sqrt();
+        for (got, v) in y.iter().zip([1.0f32, 2.0, 3.0, 6.0]) {
+            assert!((got - (v - 3.0) / sd).abs() < 1e-5, "{y:?}");
+        }
+        // moving averages: 0.9 * 0 + 0.1 * 3 and 0.9 * 1 + 0.1 * 3.5
+        let mean = bn.moving_mean.value_sync().into_scalar();
+        let var = bn.moving_variance.value_sync().into_scalar();
+        assert!(
+            (mean - 0.3).abs() < 1e-6 && (var - 1.25).abs() < 1e-6,
+            "{mean} {var}"
+        );
+        // inference (no autodiff) uses the moving averages
+        let inner = burn::module::AutodiffModule::valid(&bn);
+        let x =
+            Tensor::<Flex, 4>::from_data(TensorData::new(vec![0.3f32; 4], [1, 1, 2, 2]), &device);
+        let y = inner.forward(x).into_data().to_vec::<f32>().unwrap();
+        assert!(y.iter().all(|v| v.abs() < 1e-6), "{y:?}");
+    }
+
+    /// TF "SAME" pads the extra row and column at the bottom and right: a 3x3 stride-2 sum
+    /// over a 4x4 image of ones needs one padded row/column, all of it after the image.
+    #[test]
+    fn same_padding_is_asymmetric_like_tf() {
+        let device = Default::default();
+        let spec = ConvSpec {
+            in_channels: 1,
+            out_channels: 1,
+            kernel: 3,
+            stride: 2,
+            depthwise: false,
+            bias: false,
+            init_stddev: 0.1,
+        };
+        let mut conv = spec.init::<Flex>(&mut StdRng::seed_from_u64(0), &device);
+        conv.weight = Param::from_tensor(Tensor::ones([1, 1, 3, 3], &device));
+        let out = conv.forward(Tensor::ones([1, 1, 4, 4], &device));
+        let values = out.into_data().to_vec::<f32>().unwrap();
+        // top-left window covers rows/cols 0..3 of the image: 9 ones; bottom-right window
+        // covers rows/cols 2, 3 and one padded row/column: 4 ones.
+        assert_eq!(values, vec![9.0, 6.0, 6.0, 4.0]);
+    }
+
+    #[test]
+    fn truncated_normal_stays_within_two_stddevs() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let v = truncated_normal(20_000, 0.03, &mut rng);
+        assert!(v.iter().all(|x| x.abs() <= 0.06));
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
+        // stddev of a normal truncated at 2 sigma is 0.8796 sigma
+        assert!(mean.abs() < 1e-3, "{mean}");
+        assert!((var.sqrt() - 0.03 * 0.8796).abs() < 5e-4, "{}", var.sqrt());
+    }
+}

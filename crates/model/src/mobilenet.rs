@@ -1,0 +1,135 @@
+//! The MobileNet-v1 backbone up to `Conv2d_13_pointwise`, as `mobilenet_v1_base` builds it.
+
+use burn::module::Module;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use rand::Rng;
+
+use crate::config::SsdConfig;
+use crate::layers::{ConvBnRelu6, ConvSpec};
+
+/// `(stride, nominal depth)` of the 13 depthwise-separable blocks (`MOBILENETV1_CONV_DEFS`).
+pub const SEPARABLE_BLOCKS: [(usize, usize); 13] = [
+    (1, 64),
+    (2, 128),
+    (1, 128),
+    (2, 256),
+    (1, 256),
+    (2, 512),
+    (1, 512),
+    (1, 512),
+    (1, 512),
+    (1, 512),
+    (1, 512),
+    (2, 1024),
+    (1, 1024),
+];
+
+/// Nominal depth of `Conv2d_0` (3x3, stride 2).
+pub const CONV0_DEPTH: usize = 32;
+
+/// One depthwise-separable block: 3x3 depthwise + BN + ReLU6, then 1x1 pointwise + BN + ReLU6.
+#[derive(Module, Debug)]
+pub struct SeparableBlock<B: Backend> {
+    /// `Conv2d_<i>_depthwise`.
+    pub depthwise: ConvBnRelu6<B>,
+    /// `Conv2d_<i>_pointwise`.
+    pub pointwise: ConvBnRelu6<B>,
+}
+
+/// MobileNet-v1 without its classifier.
+#[derive(Module, Debug)]
+pub struct MobileNetV1<B: Backend> {
+    /// `Conv2d_0`.
+    pub conv0: ConvBnRelu6<B>,
+    /// `Conv2d_1` to `Conv2d_13`.
+    pub blocks: Vec<SeparableBlock<B>>,
+}
+
+impl<B: Backend> MobileNetV1<B> {
+    pub(crate) fn new(config: &SsdConfig, rng: &mut impl Rng, device: &B::Device) -> Self {
+        let bn = &config.batch_norm;
+        let stddev = config.backbone_init_stddev;
+        let mut channels = config.depth(CONV0_DEPTH);
+        let conv0 = ConvBnRelu6::new(
+            ConvSpec {
+                in_channels: 3,
+                out_channels: channels,
+                kernel: 3,
+                stride: 2,
+                depthwise: false,
+                bias: false,
+                init_stddev: stddev,
+            },
+            bn,
+            rng,
+            device,
+        );
+        let blocks = SEPARABLE_BLOCKS
+            .iter()
+            .map(|&(stride, depth)| {
+                let out = config.depth(depth);
+                let depthwise = ConvBnRelu6::new(
+                    ConvSpec {
+                        in_channels: channels,
+                        out_channels: channels,
+                        kernel: 3,
+                        stride,
+                        depthwise: true,
+                        bias: false,
+                        init_stddev: stddev,
+                    },
+                    bn,
+                    rng,
+                    device,
+                );
+                let pointwise = ConvBnRelu6::new(
+                    ConvSpec {
+                        in_channels: channels,
+                        out_channels: out,
+                        kernel: 1,
+                        stride: 1,
+                        depthwise: false,
+                        bias: false,
+                        init_stddev: stddev,
+                    },
+                    bn,
+                    rng,
+                    device,
+                );
+                channels = out;
+                SeparableBlock {
+                    depthwise,
+                    pointwise,
+                }
+            })
+            .collect();
+        Self { conv0, blocks }
+    }
+
+    /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations.
+    pub fn forward(&self, x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let mut x = self.conv0.forward(x);
+        let mut conv11 = None;
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = block.pointwise.forward(block.depthwise.forward(x));
+            if i == 10 {
+                conv11 = Some(x.clone());
+            }
+        }
+        let conv11 = conv11.expect("MobileNet-v1 always has 13 blocks");
+        (conv11, x)
+    }
+
+    /// Every convolution kernel of the backbone.
+    pub(crate) fn conv_weights(&self) -> Vec<Tensor<B, 4>> {
+        std::iter::once(&self.conv0)
+            .chain(
+                self.blocks
+                    .iter()
+                    .flat_map(|b| [&b.depthwise, &b.pointwise]),
+            )
+            .map(|u| u.conv.weight.val())
+            .collect()
+    }
+}

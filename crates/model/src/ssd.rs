@@ -1,0 +1,249 @@
+//! The SSD-MobileNet-v1 network: backbone, the four extra feature layers and the
+//! convolutional box predictor with 1x1 kernels.
+
+use burn::module::Module;
+use burn::nn::conv::Conv2d;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::anchors::BoxSpec;
+use crate::box_coder::BoxCoder;
+use crate::boxes::BBox;
+use crate::config::SsdConfig;
+use crate::error::Result;
+use crate::layers::{ConvBnRelu6, ConvSpec};
+use crate::mobilenet::{MobileNetV1, SEPARABLE_BLOCKS};
+
+/// Nominal depths of the four extra feature maps (`layer_depth` of the feature map layout).
+pub const EXTRA_LAYER_DEPTHS: [usize; 4] = [512, 256, 256, 128];
+
+/// One extra feature layer: 1x1 conv to half the depth, then 3x3 stride-2 conv.
+#[derive(Module, Debug)]
+pub struct ExtraLayer<B: Backend> {
+    /// `..._1_Conv2d_<i>_1x1_<d/2>`.
+    pub reduce: ConvBnRelu6<B>,
+    /// `..._2_Conv2d_<i>_3x3_s2_<d>`.
+    pub expand: ConvBnRelu6<B>,
+}
+
+/// Raw network outputs for a batch, in the anchors' order.
+#[derive(Debug, Clone)]
+pub struct Predictions<B: Backend> {
+    /// `[batch, anchors, 4]` box codes.
+    pub box_encodings: Tensor<B, 3>,
+    /// `[batch, anchors, num_classes + 1]` class logits, background first.
+    pub class_logits: Tensor<B, 3>,
+}
+
+/// The SSD-MobileNet-v1 detector network.
+#[derive(Module, Debug)]
+pub struct Ssd<B: Backend> {
+    /// MobileNet-v1 up to `Conv2d_13_pointwise`.
+    pub backbone: MobileNetV1<B>,
+    /// The four extra feature layers.
+    pub extras: Vec<ExtraLayer<B>>,
+    /// Box-code convolutions, one per feature map.
+    pub box_heads: Vec<Conv2d<B>>,
+    /// Class-logit convolutions, one per feature map.
+    pub class_heads: Vec<Conv2d<B>>,
+    num_classes: usize,
+}
+
+/// Spatial size after a TF "SAME" convolution of the given stride.
+fn same_out(size: usize, stride: usize) -> usize {
+    size.div_ceil(stride)
+}
+
+/// `(height, width)` of the six feature maps for the config's input size.
+pub fn feature_map_shapes(config: &SsdConfig) -> Vec<(usize, usize)> {
+    let [mut h, mut w] = config.image_size;
+    let mut shapes = Vec::new();
+    h = same_out(h, 2);
+    w = same_out(w, 2);
+    for (i, &(stride, _)) in SEPARABLE_BLOCKS.iter().enumerate() {
+        h = same_out(h, stride);
+        w = same_out(w, stride);
+        if i == 10 || i == 12 {
+            shapes.push((h, w));
+        }
+    }
+    for _ in EXTRA_LAYER_DEPTHS {
+        h = same_out(h, 2);
+        w = same_out(w, 2);
+        shapes.push((h, w));
+    }
+    shapes
+}
+
+/// The anchors of a config, in the predictor's output order.
+pub fn anchors(config: &SsdConfig) -> Vec<BBox> {
+    let [h, w] = config.image_size;
+    config.anchors.generate(&feature_map_shapes(config), h, w)
+}
+
+impl SsdConfig {
+    /// The box coder of this config.
+    pub fn box_coder(&self) -> BoxCoder {
+        BoxCoder::new(self.box_coder_scales)
+    }
+
+    /// Builds a freshly initialised network; `seed` fixes every initial weight.
+    pub fn init<B: Backend>(&self, seed: u64, device: &B::Device) -> Result<Ssd<B>> {
+        self.validate()?;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let backbone = MobileNetV1::new(self, &mut rng, device);
+        let bn = &self.batch_norm;
+        let mut channels = self.depth(SEPARABLE_BLOCKS[12].1);
+        let mut map_channels = vec![self.depth(SEPARABLE_BLOCKS[10].1), channels];
+        let extras = EXTRA_LAYER_DEPTHS
+            .iter()
+            .map(|&depth| {
+                let (half, full) = (self.depth(depth / 2), self.depth(depth));
+                let spec = |in_channels, out_channels, kernel, stride| ConvSpec {
+                    in_channels,
+                    out_channels,
+                    kernel,
+                    stride,
+                    depthwise: false,
+                    bias: false,
+                    init_stddev: self.init_stddev,
+                };
+                let reduce = ConvBnRelu6::new(spec(channels, half, 1, 1), bn, &mut rng, device);
+                let expand = ConvBnRelu6::new(spec(half, full, 3, 2), bn, &mut rng, device);
+                channels = full;
+                map_channels.push(full);
+                ExtraLayer { reduce, expand }
+            })
+            .collect();
+        let specs: Vec<Vec<BoxSpec>> = self.anchors.box_specs();
+        let head = |in_channels, out_channels| ConvSpec {
+            in_channels,
+            out_channels,
+            kernel: 1,
+            stride: 1,
+            depthwise: false,
+            bias: true,
+            init_stddev: self.init_stddev,
+        };
+        let mut box_heads = Vec::new();
+        let mut class_heads = Vec::new();
+        for (&c, layer_specs) in map_channels.iter().zip(&specs) {
+            let a = layer_specs.len();
+            box_heads.push(head(c, a * BoxCoder::CODE_SIZE).init(&mut rng, device));
+            class_heads.push(head(c, a * (self.num_classes + 1)).init(&mut rng, device));
+        }
+        Ok(Ssd {
+            backbone,
+            extras,
+            box_heads,
+            class_heads,
+            num_classes: self.num_classes,
+        })
+    }
+}
+
+/// `[batch, a * k, h, w]` (NCHW) to `[batch, h * w * a, k]`, the API's NHWC flattening.
+fn flatten_head<B: Backend>(x: Tensor<B, 4>, k: usize) -> Tensor<B, 3> {
+    let [b, c, h, w] = x.dims();
+    x.permute([0, 2, 3, 1]).reshape([b, h * w * (c / k), k])
+}
+
+impl<B: Backend> Ssd<B> {
+    /// Number of object classes (without background).
+    pub fn num_classes(&self) -> usize {
+        self.num_classes
+    }
+
+    /// The six feature maps for a `[batch, 3, height, width]` input in `[-1, 1]`.
+    pub fn feature_maps(&self, images: Tensor<B, 4>) -> Vec<Tensor<B, 4>> {
+        let (conv11, conv13) = self.backbone.forward(images);
+        let mut maps = vec![conv11, conv13];
+        for extra in &self.extras {
+            let last = maps.last().expect("two backbone maps").clone();
+            maps.push(extra.expand.forward(extra.reduce.forward(last)));
+        }
+        maps
+    }
+
+    /// Box codes and class logits of every anchor for a `[batch, 3, height, width]` input.
+    pub fn forward(&self, images: Tensor<B, 4>) -> Predictions<B> {
+        let maps = self.feature_maps(images);
+        let mut boxes = Vec::with_capacity(maps.len());
+        let mut classes = Vec::with_capacity(maps.len());
+        for ((map, box_head), class_head) in maps.iter().zip(&self.box_heads).zip(&self.class_heads)
+        {
+            boxes.push(flatten_head(
+                box_head.forward(map.clone()),
+                BoxCoder::CODE_SIZE,
+            ));
+            classes.push(flatten_head(
+                class_head.forward(map.clone()),
+                self.num_classes + 1,
+            ));
+        }
+        Predictions {
+            box_encodings: Tensor::cat(boxes, 1),
+            class_logits: Tensor::cat(classes, 1),
+        }
+    }
+
+    /// Every convolution kernel, backbone first, then extra layers, then predictor heads.
+    fn kernels(&self) -> Vec<Tensor<B, 4>> {
+        let mut kernels = self.backbone.conv_weights();
+        kernels.extend(
+            self.extras
+                .iter()
+                .flat_map(|e| [e.reduce.conv.weight.val(), e.expand.conv.weight.val()]),
+        );
+        kernels.extend(
+            self.box_heads
+                .iter()
+                .chain(&self.class_heads)
+                .map(|c| c.weight.val()),
+        );
+        kernels
+    }
+
+    /// Number of trainable parameters as TF counts its trainable variables: kernels, BatchNorm
+    /// gamma and beta, predictor biases (BatchNorm moving statistics are not trainable;
+    /// Burn's `num_params` counts them too).
+    pub fn num_trainable_params(&self) -> usize {
+        let kernels: usize = self
+            .kernels()
+            .iter()
+            .map(|k| k.shape().num_elements())
+            .sum();
+        let biases: usize = self
+            .box_heads
+            .iter()
+            .chain(&self.class_heads)
+            .filter_map(|c| c.bias.as_ref())
+            .map(|b| b.shape().num_elements())
+            .sum();
+        let bn_units = std::iter::once(&self.backbone.conv0)
+            .chain(
+                self.backbone
+                    .blocks
+                    .iter()
+                    .flat_map(|b| [&b.depthwise, &b.pointwise]),
+            )
+            .chain(self.extras.iter().flat_map(|e| [&e.reduce, &e.expand]));
+        let bn: usize = bn_units
+            .map(|u| 2 * u.bn.gamma.shape().num_elements())
+            .sum();
+        kernels + biases + bn
+    }
+
+    /// `sum(w^2) / 2` over every convolution kernel (biases and BatchNorm excluded), the
+    /// quantity `tf.nn.l2_loss` regularises.
+    pub fn l2_half_sum_of_squares(&self) -> Tensor<B, 1> {
+        self.kernels()
+            .into_iter()
+            .map(|w| w.square().sum())
+            .reduce(|a, b| a + b)
+            .expect("the network has kernels")
+            .mul_scalar(0.5)
+    }
+}

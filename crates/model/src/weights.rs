@@ -1,0 +1,127 @@
+//! Saving and loading network weights: Burn's named MessagePack record, written atomically
+//! (temporary file, fsync, rename) and checked parameter by parameter against the config on
+//! load, so a file made for another config is a clear error.
+
+use std::fs::File;
+use std::io::Write;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::config::SsdConfig;
+use crate::error::{ModelError, Result};
+use crate::ssd::Ssd;
+
+type WeightsRecorder = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one:
+/// a temporary file beside it is written and fsynced, then renamed over `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut file = File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        // Persist the rename itself.
+        File::open(dir).and_then(|d| d.sync_all()).or(Ok(()))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Encodes the weights (including BatchNorm moving statistics) as bytes.
+pub fn weights_to_bytes<B: Backend>(model: &Ssd<B>) -> Vec<u8> {
+    WeightsRecorder::default()
+        .record(model.clone().into_record(), ())
+        .expect("encoding a record in memory cannot fail")
+}
+
+/// Saves the weights to `path` atomically.
+pub fn save_weights<B: Backend>(model: &Ssd<B>, path: &Path) -> Result<()> {
+    write_atomic(path, &weights_to_bytes(model)).map_err(|source| ModelError::Io {
+        action: "writing",
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Collects `(path, shape)` of every float parameter and running statistic.
+#[derive(Default)]
+struct ShapeCollector {
+    stack: Vec<String>,
+    shapes: Vec<(String, Vec<usize>)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for ShapeCollector {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.stack.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.shapes
+            .push((self.stack.join("."), param.shape().to_vec()));
+    }
+}
+
+fn shapes<B: Backend>(model: &Ssd<B>) -> Vec<(String, Vec<usize>)> {
+    let mut collector = ShapeCollector::default();
+    model.visit(&mut collector);
+    collector.shapes
+}
+
+/// Decodes weights for the network described by `config`, checking every parameter's shape.
+pub fn weights_from_bytes<B: Backend>(
+    config: &SsdConfig,
+    bytes: Vec<u8>,
+    path: &Path,
+    device: &B::Device,
+) -> Result<Ssd<B>> {
+    let fresh: Ssd<B> = config.init(0, device)?;
+    let incompatible = |problem: String| ModelError::IncompatibleWeights {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let record = WeightsRecorder::default()
+        .load(bytes, device)
+        .map_err(|e| incompatible(format!("not an SSD-MobileNet-v1 weights file ({e})")))?;
+    let expected = shapes(&fresh);
+    let loaded = catch_unwind(AssertUnwindSafe(|| fresh.load_record(record)))
+        .map_err(|_| incompatible("the file's layer structure differs from the config".into()))?;
+    for ((name, want), (_, got)) in expected.iter().zip(shapes(&loaded)) {
+        if *want != got {
+            return Err(incompatible(format!(
+                "parameter `{name}` has shape {got:?} in the file but {want:?} in the config \
+                 (different num_classes, depth_multiplier or anchors?)"
+            )));
+        }
+    }
+    Ok(loaded)
+}
+
+/// Loads weights saved by [`save_weights`] into a network built from `config`.
+pub fn load_weights<B: Backend>(
+    config: &SsdConfig,
+    path: &Path,
+    device: &B::Device,
+) -> Result<Ssd<B>> {
+    let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
+        action: "reading",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    weights_from_bytes(config, bytes, path, device)
+}
