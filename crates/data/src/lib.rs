@@ -1,1 +1,15 @@
-//! placeholder
+//! Datasets for SSD training: TFRecord files of `tf.train.Example`s with the Object Detection
+//! API's keys, label maps, PASCAL VOC / Oxford-IIIT Pet folders and the built-in synthetic
+//! cats-and-dogs set.
+
+pub mod error;
+pub mod example;
+pub mod label_map;
+pub mod shards;
+pub mod synthetic;
+pub mod tfrecord;
+pub mod voc;
+
+pub use error::{DataError, Result};
+pub use example::{DetectionExample, Object};
+pub use label_map::LabelMap;
