@@ -2,9 +2,12 @@
 //! API's keys, label maps, PASCAL VOC / Oxford-IIIT Pet folders and the built-in synthetic
 //! cats-and-dogs set.
 
+pub mod augment;
 pub mod error;
 pub mod example;
 pub mod label_map;
+pub mod loader;
+pub mod prepare;
 pub mod shards;
 pub mod synthetic;
 pub mod tfrecord;

@@ -85,8 +85,7 @@ fn draw_head(
     let fur = random_colour(rng);
     let dark = blend(fur, [0, 0, 0], 0.6);
     let light = blend(fur, [255, 255, 255], 0.5);
-    let bounds;
-    if class == 1 {
+    let bounds = if class == 1 {
         // pointed ears above the face
         for side in [-1.0f32, 1.0] {
             let base_out = (cx + side * r * 0.95, cy - r * 0.2);
@@ -108,7 +107,7 @@ fn draw_head(
                 }
             }
         }
-        bounds = (cx - r, cy - r * 1.45, cx + r, cy + r * 0.9);
+        (cx - r, cy - r * 1.45, cx + r, cy + r * 0.9)
     } else {
         // long floppy ears hanging at the sides
         for side in [-1.0f32, 1.0] {
@@ -125,8 +124,8 @@ fn draw_head(
         // muzzle and nose
         ellipse(img, cx, cy + r * 0.45, r * 0.45, r * 0.35, light);
         ellipse(img, cx, cy + r * 0.3, r * 0.15, r * 0.1, [20, 20, 20]);
-        bounds = (cx - r * 1.3, cy - r, cx + r * 1.3, cy + r * 1.05);
-    }
+        (cx - r * 1.3, cy - r, cx + r * 1.3, cy + r * 1.05)
+    };
     // eyes
     for side in [-1.0f32, 1.0] {
         ellipse(

@@ -250,7 +250,9 @@ mod tests {
         let mut bytes = good.clone();
         bytes[0] ^= 1;
         std::fs::write(&path, &bytes).unwrap();
-        let err = RecordIndex::build(&[path.clone()]).unwrap_err().to_string();
+        let err = RecordIndex::build(std::slice::from_ref(&path))
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("byte 0") && err.contains("length checksum"),
             "{err}"
