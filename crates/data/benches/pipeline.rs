@@ -1,5 +1,7 @@
 //! Data pipeline throughput: decode + TF augmentation (random_horizontal_flip, ssd_random_crop)
-//! + resize to 300x300 + normalise, on 500x375 JPEGs; one core, then the loader with every core.
+//! and resize to 300x300 and normalise, on 500x375 JPEGs; one core, then the loader with every
+//! core.
+//!
 //! `cargo bench -p data --bench pipeline` (BENCH_IMAGES=N to change the image count).
 
 use std::sync::Arc;
@@ -12,13 +14,21 @@ use data::synthetic::generate;
 use data::tfrecord::RecordIndex;
 
 fn main() {
-    let images: u64 = std::env::var("BENCH_IMAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
+    let images: u64 = std::env::var("BENCH_IMAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
     let dir = tempfile::tempdir().expect("temp dir");
     let mut writer = ShardedWriter::create(&dir.path().join("bench.record"), 1).expect("writer");
     for i in 0..images {
         let s = generate(0, i);
-        let big = image::imageops::resize(&s.image, 500, 375, image::imageops::FilterType::Triangle);
-        let mut e = data::synthetic::SyntheticImage { image: big, objects: s.objects }.to_example(i);
+        let big =
+            image::imageops::resize(&s.image, 500, 375, image::imageops::FilterType::Triangle);
+        let mut e = data::synthetic::SyntheticImage {
+            image: big,
+            objects: s.objects,
+        }
+        .to_example(i);
         e.width = 500;
         e.height = 375;
         writer.write(&e.encode()).expect("write");
@@ -29,7 +39,10 @@ fn main() {
     let config = LoaderConfig {
         batch_size: 8,
         image_size: [300, 300],
-        augmentations: vec![Augmentation::RandomHorizontalFlip, Augmentation::SsdRandomCrop { operations: vec![] }],
+        augmentations: vec![
+            Augmentation::RandomHorizontalFlip,
+            Augmentation::SsdRandomCrop { operations: vec![] },
+        ],
         shuffle: true,
         seed: 1,
         workers: cores,

@@ -61,6 +61,8 @@ pub struct Batch {
     pub ground_truth: Vec<Vec<GroundTruth>>,
     /// Index (in the record index) of every image's record.
     pub records: Vec<usize>,
+    /// `[height, width]` in pixels of every image before the resize (after augmentation).
+    pub sizes: Vec<[u32; 2]>,
     /// The position right after this batch (what a checkpoint stores).
     pub next_position: Position,
 }
@@ -91,6 +93,7 @@ impl Batch {
                 image_size: self.image_size,
                 ground_truth: self.ground_truth[p * per..(p + 1) * per].to_vec(),
                 records: self.records[p * per..(p + 1) * per].to_vec(),
+                sizes: self.sizes[p * per..(p + 1) * per].to_vec(),
                 next_position: self.next_position,
             })
             .collect()
@@ -131,7 +134,7 @@ pub fn load_sample(
     config: &LoaderConfig,
     epoch: u64,
     slot: usize,
-) -> Result<(Vec<f32>, Vec<GroundTruth>)> {
+) -> Result<(Vec<f32>, Vec<GroundTruth>, [u32; 2])> {
     let loc = index.location(record);
     let path = &index.files()[loc.file];
     let where_ = || {
@@ -178,7 +181,11 @@ pub fn load_sample(
         .filter(|(b, _)| b.height() > 0.0 && b.width() > 0.0)
         .map(|(&bbox, &class_id)| GroundTruth { bbox, class_id })
         .collect();
-    Ok((pixels, ground_truth))
+    Ok((
+        pixels,
+        ground_truth,
+        [out.image.height(), out.image.width()],
+    ))
 }
 
 /// The epoch and first slot of global batch `n` counted from `start` (incomplete batches at
@@ -207,6 +214,7 @@ fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Resul
         image_size: config.image_size,
         ground_truth: Vec::with_capacity(config.batch_size),
         records: Vec::with_capacity(config.batch_size),
+        sizes: Vec::with_capacity(config.batch_size),
         next_position: Position {
             epoch: at.epoch,
             index: at.index + config.batch_size,
@@ -218,8 +226,9 @@ fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Resul
         .skip(at.index)
         .take(config.batch_size)
     {
-        let (pixels, gt) = load_sample(index, record, config, at.epoch, slot)?;
+        let (pixels, gt, size) = load_sample(index, record, config, at.epoch, slot)?;
         batch.images.extend(pixels);
+        batch.sizes.push(size);
         batch.ground_truth.push(gt);
         batch.records.push(record);
     }

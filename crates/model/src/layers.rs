@@ -102,6 +102,22 @@ impl<B: Backend> BatchNorm<B> {
         }
     }
 
+    /// The moving mean and variance.
+    pub fn moving_stats(&self) -> (Tensor<B, 1>, Tensor<B, 1>) {
+        (
+            self.moving_mean.value_sync(),
+            self.moving_variance.value_sync(),
+        )
+    }
+
+    /// Replaces the moving mean and variance (e.g. with their average over replicas).
+    pub fn set_moving_stats(&self, mean: Tensor<B, 1>, variance: Tensor<B, 1>) {
+        self.moving_mean.update(mean);
+        self.moving_mean.value_sync();
+        self.moving_variance.update(variance);
+        self.moving_variance.value_sync();
+    }
+
     /// Normalises `[batch, channels, h, w]`. Batch statistics (and a moving-average update)
     /// when the backend records gradients, moving averages otherwise.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {

@@ -13,7 +13,7 @@ use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::SsdConfig;
 use crate::error::Result;
-use crate::layers::{ConvBnRelu6, ConvSpec};
+use crate::layers::{BatchNorm, ConvBnRelu6, ConvSpec};
 use crate::mobilenet::{MobileNetV1, SEPARABLE_BLOCKS};
 
 /// Nominal depths of the four extra feature maps (`layer_depth` of the feature map layout).
@@ -204,6 +204,20 @@ impl<B: Backend> Ssd<B> {
                 .map(|c| c.weight.val()),
         );
         kernels
+    }
+
+    /// Every BatchNorm of the network, in a fixed order.
+    pub fn batch_norms(&self) -> Vec<&BatchNorm<B>> {
+        std::iter::once(&self.backbone.conv0)
+            .chain(
+                self.backbone
+                    .blocks
+                    .iter()
+                    .flat_map(|b| [&b.depthwise, &b.pointwise]),
+            )
+            .chain(self.extras.iter().flat_map(|e| [&e.reduce, &e.expand]))
+            .map(|u| &u.bn)
+            .collect()
     }
 
     /// Number of trainable parameters as TF counts its trainable variables: kernels, BatchNorm

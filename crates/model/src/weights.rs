@@ -14,6 +14,7 @@ use burn::tensor::backend::Backend;
 
 use crate::config::SsdConfig;
 use crate::error::{ModelError, Result};
+use crate::mobilenet::MobileNetV1;
 use crate::ssd::Ssd;
 
 type WeightsRecorder = NamedMpkBytesRecorder<FullPrecisionSettings>;
@@ -83,12 +84,14 @@ fn shapes<B: Backend>(model: &Ssd<B>) -> Vec<(String, Vec<usize>)> {
     collector.shapes
 }
 
-/// Decodes weights for the network described by `config`, checking every parameter's shape.
-pub fn weights_from_bytes<B: Backend>(
+/// Decodes weights into the network of `config`, checking the shapes of the parameters whose
+/// path starts with `prefix` (all of them for an empty prefix).
+fn decode_checked<B: Backend>(
     config: &SsdConfig,
     bytes: Vec<u8>,
     path: &Path,
     device: &B::Device,
+    prefix: &str,
 ) -> Result<Ssd<B>> {
     let fresh: Ssd<B> = config.init(0, device)?;
     let incompatible = |problem: String| ModelError::IncompatibleWeights {
@@ -102,7 +105,7 @@ pub fn weights_from_bytes<B: Backend>(
     let loaded = catch_unwind(AssertUnwindSafe(|| fresh.load_record(record)))
         .map_err(|_| incompatible("the file's layer structure differs from the config".into()))?;
     for ((name, want), (_, got)) in expected.iter().zip(shapes(&loaded)) {
-        if *want != got {
+        if name.starts_with(prefix) && *want != got {
             return Err(incompatible(format!(
                 "parameter `{name}` has shape {got:?} in the file but {want:?} in the config \
                  (different num_classes, depth_multiplier or anchors?)"
@@ -110,6 +113,27 @@ pub fn weights_from_bytes<B: Backend>(
         }
     }
     Ok(loaded)
+}
+
+/// Decodes weights for the network described by `config`, checking every parameter's shape.
+pub fn weights_from_bytes<B: Backend>(
+    config: &SsdConfig,
+    bytes: Vec<u8>,
+    path: &Path,
+    device: &B::Device,
+) -> Result<Ssd<B>> {
+    decode_checked(config, bytes, path, device, "")
+}
+
+/// Takes only the MobileNet backbone out of detection weights, whose heads may have been
+/// made for another number of classes (fine-tuning from a detection checkpoint).
+pub fn backbone_from_bytes<B: Backend>(
+    config: &SsdConfig,
+    bytes: Vec<u8>,
+    path: &Path,
+    device: &B::Device,
+) -> Result<MobileNetV1<B>> {
+    decode_checked(config, bytes, path, device, "backbone").map(|net| net.backbone)
 }
 
 /// Loads weights saved by [`save_weights`] into a network built from `config`.

@@ -1,1 +1,369 @@
-fn main() {}
+//! `cargo run --release -p train -- [--devices 0,1|cpu|cpu:N] [--config FILE] ...`
+//! and `... eval ...`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{Context, Result, bail};
+use burn::backend::Flex;
+use burn::tensor::backend::Backend;
+use clap::{Parser, Subcommand};
+use data::shards::expand_patterns;
+use data::tfrecord::RecordIndex;
+use train::config::TrainConfig;
+use train::eval::{read_coco, run_on_dataset};
+use train::learner::{RunOptions, train};
+use train::metrics::{Metrics, evaluate};
+
+#[derive(Parser)]
+#[command(
+    name = "train",
+    about = "Train SSD-MobileNet-v1 detectors on one device or many",
+    version
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// Devices: CUDA ordinals `0,1`, `cpu` (one replica) or `cpu:N` (N replicas on the CPU,
+    /// through the same data-parallel path). Default: every CUDA device found, else `cpu`.
+    #[arg(long)]
+    devices: Option<String>,
+    /// Training config (JSON).
+    #[arg(long, default_value = "configs/synthetic.json")]
+    config: PathBuf,
+    /// Where checkpoints, metrics and evaluations go (default: runs/<config name>). An
+    /// existing checkpoint there is resumed.
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// Override `train.num_steps`.
+    #[arg(long)]
+    num_steps: Option<u64>,
+    /// Override `train.seed`.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Override `train.batch_size` (the global batch, over all replicas).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Override `data.train` (TFRecord files, globs or base@N).
+    #[arg(long, num_args = 1..)]
+    train_data: Vec<String>,
+    /// Override `data.eval`.
+    #[arg(long, num_args = 1..)]
+    eval_data: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Evaluate a checkpoint on a dataset, or score COCO-format detections against COCO ground
+    /// truth; prints the COCO and VOC metrics.
+    Eval {
+        /// Model dir (its latest checkpoint) or a checkpoint folder.
+        #[arg(long, conflicts_with_all = ["ground_truth", "detections"])]
+        model_dir: Option<PathBuf>,
+        /// Config of the model (default: configs/synthetic.json).
+        #[arg(long, default_value = "configs/synthetic.json")]
+        config: PathBuf,
+        /// Evaluation TFRecords (default: the config's `data.eval`).
+        #[arg(long, num_args = 1..)]
+        data: Vec<String>,
+        /// COCO ground truth JSON.
+        #[arg(long, requires = "detections")]
+        ground_truth: Option<PathBuf>,
+        /// COCO results JSON (`[{image_id, category_id, bbox, score}]`).
+        #[arg(long, requires = "ground_truth")]
+        detections: Option<PathBuf>,
+        /// Device: `cpu` or a CUDA ordinal.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Write the metrics as JSON here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+/// Where to run.
+enum Devices {
+    Cpu(usize),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Cuda(Vec<usize>),
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device_count() -> usize {
+    // SAFETY: only probes whether the CUDA driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device_count() -> usize {
+    0
+}
+
+fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
+    match spec {
+        None => {
+            let n = cuda_device_count();
+            if n > 0 {
+                Ok((
+                    Devices::Cuda((0..n).collect()),
+                    format!("{n} CUDA device(s) found: training on all of them"),
+                ))
+            } else {
+                Ok((
+                    Devices::Cpu(1),
+                    "no CUDA device found: training on the CPU (one replica)".into(),
+                ))
+            }
+        }
+        Some("cpu") => Ok((Devices::Cpu(1), "training on the CPU (one replica)".into())),
+        Some(s) if s.starts_with("cpu:") => {
+            let n: usize = s[4..]
+                .parse()
+                .with_context(|| format!("--devices {s}: expected cpu:N"))?;
+            if n == 0 {
+                bail!("--devices {s}: at least one replica");
+            }
+            Ok((
+                Devices::Cpu(n),
+                format!("training on the CPU with {n} replicas"),
+            ))
+        }
+        Some(s) => {
+            let ids: Vec<usize> = s
+                .split(',')
+                .map(|p| {
+                    p.trim()
+                        .parse::<usize>()
+                        .with_context(|| format!("--devices {s}: `{p}` is not a CUDA ordinal"))
+                })
+                .collect::<Result<_>>()?;
+            let available = cuda_device_count();
+            if let Some(bad) = ids.iter().find(|&&i| i >= available) {
+                bail!(
+                    "--devices {s}: CUDA device {bad} does not exist ({available} found{})",
+                    if cfg!(feature = "cuda") {
+                        ""
+                    } else {
+                        "; built without the `cuda` feature"
+                    }
+                );
+            }
+            Ok((
+                Devices::Cuda(ids.clone()),
+                format!("training on CUDA devices {ids:?}"),
+            ))
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        None => run_training(cli.train),
+        Some(Command::Eval {
+            model_dir,
+            config,
+            data,
+            ground_truth,
+            detections,
+            device,
+            out,
+        }) => {
+            let metrics = match (ground_truth, detections, model_dir) {
+                (Some(gt), Some(dt), _) => {
+                    let (images, names) = read_coco(&gt, &dt)?;
+                    evaluate(&images, &names)
+                }
+                (_, _, Some(dir)) => eval_checkpoint(&dir, &config, &data, &device)?,
+                _ => bail!("eval needs --model-dir, or --ground-truth with --detections"),
+            };
+            print_metrics(&metrics);
+            if let Some(out) = out {
+                model::weights::write_atomic(
+                    &out,
+                    serde_json::to_string_pretty(&metrics)?.as_bytes(),
+                )
+                .with_context(|| format!("writing {}", out.display()))?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn print_metrics(m: &Metrics) {
+    let names = [
+        "AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl",
+    ];
+    for (n, v) in names.iter().zip(m.coco()) {
+        println!("{n:>6} {v:.4}");
+    }
+    println!("VOC mAP@0.5 {:.4}", m.voc_mAP);
+    for (c, ap) in &m.voc_AP {
+        println!("  {c}: {ap:.4}");
+    }
+}
+
+fn eval_checkpoint(dir: &Path, config: &Path, data: &[String], device: &str) -> Result<Metrics> {
+    let config = TrainConfig::load(config)?;
+    let ckpt = if dir.join("state.json").is_file() {
+        dir.to_path_buf()
+    } else {
+        train::checkpoint::latest(dir)?
+            .with_context(|| format!("{} holds no checkpoint", dir.display()))?
+    };
+    let state = train::checkpoint::read_state(&ckpt)?;
+    let weights = if state.has_ema {
+        ckpt.join("ema.mpk")
+    } else {
+        ckpt.join("model.mpk")
+    };
+    let patterns = if data.is_empty() {
+        config.data.eval.clone()
+    } else {
+        data.to_vec()
+    };
+    if patterns.is_empty() {
+        bail!("no evaluation data: pass --data or set `data.eval` in the config");
+    }
+    let index = RecordIndex::build(&expand_patterns(&patterns)?)?;
+    let names: Vec<String> = (1..=config.model.num_classes)
+        .map(|i| config.model.class_name(i))
+        .collect();
+    fn run<B: Backend>(
+        config: &TrainConfig,
+        weights: &Path,
+        index: &RecordIndex,
+        names: &[String],
+        device: B::Device,
+    ) -> Result<Metrics> {
+        let net = model::weights::load_weights::<B>(&config.model, weights, &device)?;
+        let results = run_on_dataset(
+            &net,
+            &config.model,
+            index,
+            config.eval.max_images,
+            config.eval.batch_size,
+            &device,
+        )?;
+        Ok(evaluate(&results, names))
+    }
+    match device {
+        "cpu" => run::<Flex>(&config, &weights, &index, &names, Default::default()),
+        #[cfg(feature = "cuda")]
+        d => {
+            let i: usize = d
+                .parse()
+                .with_context(|| format!("--device {d}: expected cpu or a CUDA ordinal"))?;
+            run::<burn::backend::Cuda>(
+                &config,
+                &weights,
+                &index,
+                &names,
+                burn::backend::cuda::CudaDevice::new(i),
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        d => bail!("--device {d}: built without the `cuda` feature"),
+    }
+}
+
+fn run_training(args: TrainArgs) -> Result<()> {
+    let (devices, first_line) = parse_devices(args.devices.as_deref())?;
+    eprintln!("{first_line}");
+    let mut config = TrainConfig::load(&args.config)?;
+    if let Some(n) = args.num_steps {
+        config.train.num_steps = n;
+    }
+    if let Some(s) = args.seed {
+        config.train.seed = s;
+    }
+    if let Some(b) = args.batch_size {
+        config.train.batch_size = b;
+    }
+    if !args.train_data.is_empty() {
+        config.data.train = args.train_data;
+    }
+    if !args.eval_data.is_empty() {
+        config.data.eval = args.eval_data;
+    }
+    config.validate()?;
+    if config.data.synthetic_if_missing && expand_patterns(&config.data.train).is_err() {
+        let pattern = PathBuf::from(&config.data.train[0]);
+        let out = pattern
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("datasets/synthetic"));
+        eprintln!(
+            "training data {} missing: generating the synthetic set into {}",
+            config.data.train[0],
+            out.display()
+        );
+        data::prepare::prepare_synthetic(&out, 42, 3000, 300, 4, &|_, _| {})?;
+    }
+    let model_dir = args.model_dir.unwrap_or_else(|| {
+        PathBuf::from("runs").join(
+            args.config
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("run"),
+        )
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        ctrlc::set_handler(move || {
+            eprintln!("interrupted: finishing the step and writing a checkpoint");
+            stop.store(true, Ordering::Relaxed);
+        })
+        .context("installing the Ctrl-C handler")?;
+    }
+    let options = RunOptions {
+        model_dir: model_dir.clone(),
+        stop,
+        verbose: true,
+    };
+    let summary = match devices {
+        Devices::Cpu(n) => train::<Flex>(&config, &vec![Default::default(); n], &options)?,
+        #[cfg(feature = "cuda")]
+        Devices::Cuda(ids) => {
+            let devs: Vec<_> = ids
+                .into_iter()
+                .map(burn::backend::cuda::CudaDevice::new)
+                .collect();
+            train::<burn::backend::Cuda>(&config, &devs, &options)?
+        }
+        #[cfg(not(feature = "cuda"))]
+        Devices::Cuda(_) => bail!("built without the `cuda` feature"),
+    };
+    eprintln!(
+        "done: step {} ({} this run) in {:.0} s, {:.2} images/s, {:.1}% of the time in gradient sync; last loss {:.4}",
+        summary.step,
+        summary.steps_this_run,
+        summary.seconds,
+        summary.images_per_sec,
+        100.0 * summary.sync_seconds / summary.seconds.max(1e-9),
+        summary.last_loss.total
+    );
+    if let Some(m) = &summary.metrics {
+        print_metrics(m);
+    }
+    if let Some(c) = &summary.checkpoint {
+        eprintln!("checkpoint: {}", c.display());
+    }
+    eprintln!("metrics log: {}", model_dir.join("metrics.jsonl").display());
+    Ok(())
+}

@@ -1,0 +1,179 @@
+//! Weight exponential moving average as `tf.train.ExponentialMovingAverage(decay, num_updates)`:
+//! `shadow <- shadow - (1 - d) (shadow - w)` with `d = min(decay, (1 + n) / (10 + n))`, over the
+//! trainable weights; BatchNorm moving statistics are taken as they are (TF does not average
+//! non-trainable variables).
+
+use std::collections::{HashMap, HashSet};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use model::Ssd;
+
+/// The decay used after `num_updates` updates.
+pub fn ema_decay(decay: f64, num_updates: u64) -> f64 {
+    decay.min((1.0 + num_updates as f64) / (10.0 + num_updates as f64))
+}
+
+/// Shadow weights.
+#[derive(Debug, Clone)]
+pub struct Ema<B: Backend> {
+    decay: f64,
+    shadow: Ssd<B>,
+}
+
+struct Collect<B: Backend> {
+    values: HashMap<ParamId, Tensor<B, 1>>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Collect<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let t = param.val();
+        let n = t.shape().num_elements();
+        self.values.insert(param.id, t.reshape([n]));
+    }
+}
+
+struct Blend<'a, B: Backend> {
+    current: HashMap<ParamId, Tensor<B, 1>>,
+    trainable: &'a HashSet<ParamId>,
+    keep: f64,
+}
+
+impl<B: Backend> ModuleMapper<B> for Blend<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(current) = self.current.remove(&param.id) else {
+            return param;
+        };
+        let trainable = self.trainable.contains(&param.id);
+        let keep = self.keep;
+        param.map(|shadow| {
+            let current = current.reshape(shadow.dims()).to_device(&shadow.device());
+            if trainable {
+                shadow.clone() - (shadow - current).mul_scalar(1.0 - keep)
+            } else {
+                current
+            }
+        })
+    }
+}
+
+impl<B: Backend> Ema<B> {
+    /// Starts the average at `model`'s weights.
+    pub fn new(model: Ssd<B>, decay: f64) -> Self {
+        Self {
+            decay,
+            shadow: model,
+        }
+    }
+
+    /// Restores an average (e.g. from a checkpoint).
+    pub fn from_shadow(shadow: Ssd<B>, decay: f64) -> Self {
+        Self { decay, shadow }
+    }
+
+    /// One update with the weights after `num_updates` optimizer steps.
+    pub fn update(&mut self, current: &Ssd<B>, num_updates: u64, trainable: &HashSet<ParamId>) {
+        let mut collect = Collect {
+            values: HashMap::new(),
+        };
+        current.visit(&mut collect);
+        let mut blend = Blend {
+            current: collect.values,
+            trainable,
+            keep: ema_decay(self.decay, num_updates),
+        };
+        self.shadow = self.shadow.clone().map(&mut blend);
+    }
+
+    /// The averaged network.
+    pub fn shadow(&self) -> &Ssd<B> {
+        &self.shadow
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use model::SsdConfig;
+
+    #[test]
+    fn decay_follows_num_updates() {
+        assert!((ema_decay(0.9999, 0) - 0.1).abs() < 1e-12);
+        assert!((ema_decay(0.9999, 10) - 11.0 / 20.0).abs() < 1e-12);
+        assert_eq!(ema_decay(0.9999, 1_000_000), 0.9999);
+    }
+
+    #[test]
+    fn shadow_moves_towards_the_weights() {
+        let config = SsdConfig {
+            num_classes: 1,
+            image_size: [64, 64],
+            depth_multiplier: 0.25,
+            ..Default::default()
+        };
+        let device = Default::default();
+        let a = config.init::<Flex>(1, &device).unwrap();
+        // the same parameters (same ids) shifted by one
+        struct AddOne;
+        impl ModuleMapper<Flex> for AddOne {
+            fn map_float<const D: usize>(
+                &mut self,
+                p: Param<Tensor<Flex, D>>,
+            ) -> Param<Tensor<Flex, D>> {
+                p.map(|t| t.add_scalar(1.0))
+            }
+        }
+        let b = a.clone().map(&mut AddOne);
+        let w0 = a
+            .backbone
+            .conv0
+            .conv
+            .weight
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let w1 = b
+            .backbone
+            .conv0
+            .conv
+            .weight
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let gamma_id = a.backbone.conv0.bn.gamma.id;
+        let trainable: HashSet<ParamId> = [a.backbone.conv0.conv.weight.id].into();
+        let mut ema = Ema::new(a, 0.9999);
+        ema.update(&b, 10, &trainable);
+        // d = 11 / 20: shadow = w0 - 0.45 (w0 - w1)
+        let s = ema
+            .shadow()
+            .backbone
+            .conv0
+            .conv
+            .weight
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        for ((s, a), b) in s.iter().zip(&w0).zip(&w1) {
+            assert!((s - (a - 0.45 * (a - b))).abs() < 1e-6);
+        }
+        // a parameter outside the trainable set is copied: gamma 1 -> 2
+        assert_eq!(ema.shadow().backbone.conv0.bn.gamma.id, gamma_id);
+        let gamma = ema
+            .shadow()
+            .backbone
+            .conv0
+            .bn
+            .gamma
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        assert!(gamma.iter().all(|g| *g == 2.0));
+    }
+}

@@ -1,0 +1,647 @@
+//! The data-parallel learner: one replica per device (or several on the CPU), each a thread
+//! holding a copy of the network made from one record, taking a disjoint slice of every global
+//! batch; gradients are averaged by a bucketed all-reduce so the replicas stay identical.
+
+use std::collections::HashSet;
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use data::loader::{Batch, Loader, LoaderConfig, Position};
+use data::shards::expand_patterns;
+use data::tfrecord::RecordIndex;
+use model::loss::compute_loss;
+use model::targets::assign_targets;
+use model::weights::{backbone_from_bytes, load_weights, weights_from_bytes, weights_to_bytes};
+use model::{BBox, Ssd};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::checkpoint::{self, CheckpointFiles, CheckpointState};
+use crate::config::TrainConfig;
+use crate::ema::Ema;
+use crate::eval::run_on_dataset;
+use crate::metrics::{Metrics, evaluate};
+use crate::optim::TfOptimizer;
+use crate::sync::{
+    GradientSync, InProcessAllReduce, average_bn_stats, bn_stats, flatten_gradients, global_norm,
+    unflatten_gradients,
+};
+
+type Train<B> = Autodiff<B>;
+type Optim<B> = OptimizerAdaptor<TfOptimizer, Ssd<Train<B>>, Train<B>>;
+type Recorder_ = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// How a run is driven.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Checkpoints, metrics and evaluations go here; an existing checkpoint is resumed.
+    pub model_dir: PathBuf,
+    /// Set (e.g. by Ctrl-C) to checkpoint and stop after the current step.
+    pub stop: Arc<AtomicBool>,
+    /// Print progress lines.
+    pub verbose: bool,
+}
+
+/// The loss parts of a step, averaged over replicas.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct LossValues {
+    /// Classification loss.
+    pub classification: f32,
+    /// Localization loss.
+    pub localization: f32,
+    /// L2 regularisation.
+    pub regularization: f32,
+    /// Their sum.
+    pub total: f32,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    /// Step reached.
+    pub step: u64,
+    /// Steps taken by this run (not counting resumed ones).
+    pub steps_this_run: u64,
+    /// Loss of the last step.
+    pub last_loss: LossValues,
+    /// Training images per second over the run.
+    pub images_per_sec: f64,
+    /// Seconds spent in gradient synchronisation, summed over steps (replica 0).
+    pub sync_seconds: f64,
+    /// Wall time of the run.
+    pub seconds: f64,
+    /// The last evaluation.
+    pub metrics: Option<Metrics>,
+    /// The last checkpoint.
+    pub checkpoint: Option<PathBuf>,
+}
+
+enum Command<B: Backend> {
+    Step {
+        batch: Batch,
+        learning_rate: f64,
+        step: u64,
+    },
+    BnStats,
+    SetBnStats(Vec<(Tensor<B, 1>, Tensor<B, 1>)>),
+    Snapshot,
+}
+
+enum Reply<B: Backend> {
+    Stepped {
+        loss: LossValues,
+        sync_seconds: f64,
+    },
+    BnStats(Vec<(Tensor<B, 1>, Tensor<B, 1>)>),
+    Snapshot {
+        weights: Vec<u8>,
+        optimizer: Vec<u8>,
+        ema: Option<Vec<u8>>,
+        model: Box<Ssd<B>>,
+    },
+    Done,
+}
+
+struct Replica<B: Backend> {
+    index: usize,
+    device: B::Device,
+    model: Ssd<Train<B>>,
+    optim: Optim<B>,
+    ema: Option<Ema<B>>,
+    trainable: HashSet<ParamId>,
+    config: Arc<TrainConfig>,
+    anchors: Arc<Vec<BBox>>,
+    sync: Arc<dyn GradientSync<B>>,
+}
+
+fn panic_message(e: Box<dyn std::any::Any + Send>) -> String {
+    e.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into())
+}
+
+impl<B: Backend> Replica<B> {
+    fn step(&mut self, batch: Batch, learning_rate: f64, step: u64) -> Result<Reply<B>, String> {
+        let cfg = &self.config.model;
+        let coder = cfg.box_coder();
+        let targets: Vec<_> = batch
+            .ground_truth
+            .iter()
+            .map(|gt| assign_targets(&cfg.matcher, &coder, &self.anchors, gt))
+            .collect();
+        let images = batch.images_tensor::<Train<B>>(&self.device);
+        let loss = compute_loss(&self.model, cfg, &self.anchors, images, &targets);
+        let value = |t: &Tensor<Train<B>, 1>| t.clone().into_scalar().elem::<f32>();
+        let values = LossValues {
+            classification: value(&loss.classification),
+            localization: value(&loss.localization),
+            regularization: value(&loss.regularization),
+            total: value(&loss.total),
+        };
+        let grads = GradientsParams::from_grads(loss.total.backward(), &self.model);
+        let (layout, buckets) = flatten_gradients(&self.model, grads);
+        if self.trainable.is_empty() {
+            self.trainable = crate::sync::trainable_ids(&layout).into_iter().collect();
+        }
+        let start = Instant::now();
+        let mut buckets = self.sync.all_reduce_mean(self.index, buckets)?;
+        let sync_seconds = start.elapsed().as_secs_f64();
+        if let Some(max_norm) = self.config.train.gradient_clipping_by_norm {
+            let norm = global_norm(&buckets);
+            if norm > max_norm {
+                let scale = (max_norm / norm) as f64;
+                buckets = buckets.into_iter().map(|b| b.mul_scalar(scale)).collect();
+            }
+        }
+        let grads = unflatten_gradients::<Train<B>>(&layout, buckets);
+        self.model = self.optim.step(learning_rate, self.model.clone(), grads);
+        if let Some(ema) = &mut self.ema {
+            ema.update(&self.model.valid(), step + 1, &self.trainable);
+        }
+        Ok(Reply::Stepped {
+            loss: values,
+            sync_seconds,
+        })
+    }
+
+    fn handle(&mut self, command: Command<B>) -> Result<Reply<B>, String> {
+        match command {
+            Command::Step {
+                batch,
+                learning_rate,
+                step,
+            } => self.step(batch, learning_rate, step),
+            Command::BnStats => Ok(Reply::BnStats(bn_stats(&self.model.valid()))),
+            Command::SetBnStats(stats) => {
+                let inner = self.model.valid();
+                average_bn_stats(&inner, &[stats]);
+                self.model = Ssd::from_inner(inner);
+                Ok(Reply::Done)
+            }
+            Command::Snapshot => {
+                let model = self.model.valid();
+                Ok(Reply::Snapshot {
+                    weights: weights_to_bytes(&model),
+                    optimizer: Recorder_::default()
+                        .record(self.optim.to_record(), ())
+                        .map_err(|e| e.to_string())?,
+                    ema: self.ema.as_ref().map(|e| weights_to_bytes(e.shadow())),
+                    model: Box::new(model),
+                })
+            }
+        }
+    }
+
+    fn run(
+        mut self,
+        commands: Receiver<Command<B>>,
+        replies: Sender<(usize, Result<Reply<B>, String>)>,
+    ) {
+        while let Ok(command) = commands.recv() {
+            let result = catch_unwind(AssertUnwindSafe(|| self.handle(command)))
+                .unwrap_or_else(|e| Err(panic_message(e)));
+            if let Err(why) = &result {
+                self.sync
+                    .abort(format!("replica {} failed: {why}", self.index));
+            }
+            let failed = result.is_err();
+            if replies.send((self.index, result)).is_err() || failed {
+                break;
+            }
+        }
+    }
+}
+
+/// Starting weights, optimizer state, EMA and position.
+struct Start<B: Backend> {
+    model: Ssd<Train<B>>,
+    optimizer: Option<Vec<u8>>,
+    ema: Option<Ssd<B>>,
+    step: u64,
+    position: Position,
+}
+
+fn starting_point<B: Backend>(
+    config: &TrainConfig,
+    model_dir: &Path,
+    device: &B::Device,
+    log: &dyn Fn(String),
+) -> Result<Start<B>> {
+    let mc = &config.model;
+    if let Some(dir) = checkpoint::latest(model_dir)? {
+        let state = checkpoint::read_state(&dir)?;
+        log(format!(
+            "resuming from {} (step {}, written by {} replica(s))",
+            dir.display(),
+            state.step,
+            state.replicas
+        ));
+        let model = load_weights::<Train<B>>(mc, &dir.join("model.mpk"), device)?;
+        let optimizer = Some(
+            std::fs::read(dir.join("optimizer.mpk"))
+                .with_context(|| format!("reading {}", dir.display()))?,
+        );
+        let ema = if state.has_ema {
+            Some(load_weights::<B>(mc, &dir.join("ema.mpk"), device)?)
+        } else {
+            None
+        };
+        return Ok(Start {
+            model,
+            optimizer,
+            ema,
+            step: state.step,
+            position: state.position,
+        });
+    }
+    let mut model = mc.init::<Train<B>>(config.train.seed, device)?;
+    if let Some(source) = &config.train.fine_tune_checkpoint {
+        let weights = if source.is_dir() {
+            checkpoint::latest(source)?
+                .with_context(|| format!("{} holds no checkpoint", source.display()))?
+                .join("model.mpk")
+        } else {
+            source.clone()
+        };
+        let bytes =
+            std::fs::read(&weights).with_context(|| format!("reading {}", weights.display()))?;
+        if config.train.fine_tune_backbone_only {
+            model.backbone = backbone_from_bytes::<Train<B>>(mc, bytes, &weights, device)?;
+        } else {
+            model = weights_from_bytes(mc, bytes, &weights, device)?;
+        }
+        log(format!("fine-tuning from {}", weights.display()));
+    }
+    Ok(Start {
+        model,
+        optimizer: None,
+        ema: None,
+        step: 0,
+        position: Position::default(),
+    })
+}
+
+/// Trains `config` on `devices` (one replica each; repeat a device for several replicas).
+pub fn train<B: Backend>(
+    config: &TrainConfig,
+    devices: &[B::Device],
+    options: &RunOptions,
+) -> Result<RunSummary> {
+    let verbose = options.verbose;
+    let log = |s: String| {
+        if verbose {
+            eprintln!("{s}");
+        }
+    };
+    let replicas = devices.len();
+    if replicas == 0 {
+        bail!("no device to train on");
+    }
+    let batch_size = config.train.batch_size;
+    if !batch_size.is_multiple_of(replicas) {
+        bail!("`train.batch_size` {batch_size} does not split evenly over {replicas} replicas");
+    }
+    std::fs::create_dir_all(&options.model_dir)
+        .with_context(|| format!("creating {}", options.model_dir.display()))?;
+    let train_files = expand_patterns(&config.data.train).context("training data")?;
+    let index = Arc::new(RecordIndex::build(&train_files)?);
+    let eval_index = if config.data.eval.is_empty() {
+        None
+    } else {
+        Some(RecordIndex::build(
+            &expand_patterns(&config.data.eval).context("evaluation data")?,
+        )?)
+    };
+    log(format!(
+        "{} training records in {} files; global batch {batch_size} = {replicas} replica(s) x {}",
+        index.len(),
+        train_files.len(),
+        batch_size / replicas
+    ));
+    let start = starting_point::<B>(config, &options.model_dir, &devices[0], &log)?;
+    let anchors = Arc::new(model::ssd::anchors(&config.model));
+    let shared_config = Arc::new(config.clone());
+    let sync: Arc<dyn GradientSync<B>> = Arc::new(InProcessAllReduce::<B>::new(replicas));
+    let (reply_tx, reply_rx) = channel();
+    let mut senders = Vec::new();
+    let mut handles = Vec::new();
+    for (i, device) in devices.iter().enumerate() {
+        // a fresh network per replica loaded from one record: same weights and ids, but its own
+        // BatchNorm running state (clones would share it)
+        let model = config
+            .model
+            .init::<Train<B>>(config.train.seed, device)?
+            .load_record(start.model.clone().into_record());
+        let mut optim: Optim<B> =
+            OptimizerAdaptor::from(TfOptimizer::from(&config.train.optimizer));
+        if let Some(bytes) = &start.optimizer {
+            let rec = Recorder_::default()
+                .load(bytes.clone(), device)
+                .map_err(|e| anyhow::anyhow!("optimizer state of the checkpoint: {e}"))?;
+            optim = optim.load_record(rec);
+        }
+        let ema = match (i, config.train.moving_average_decay) {
+            (0, Some(decay)) => Some(Ema::from_shadow(
+                start.ema.clone().unwrap_or_else(|| model.valid()),
+                decay,
+            )),
+            _ => None,
+        };
+        let replica = Replica {
+            index: i,
+            device: device.clone(),
+            model,
+            optim,
+            ema,
+            trainable: HashSet::new(),
+            config: shared_config.clone(),
+            anchors: anchors.clone(),
+            sync: sync.clone(),
+        };
+        let (tx, rx) = channel();
+        let replies = reply_tx.clone();
+        handles.push(
+            std::thread::Builder::new()
+                .name(format!("replica-{i}"))
+                .spawn(move || replica.run(rx, replies))?,
+        );
+        senders.push(tx);
+    }
+    drop(reply_tx);
+    let device_name = |i: usize| format!("{:?}", devices[i]);
+    // Sends one command to every replica and collects the replies in replica order.
+    let broadcast = |make: &mut dyn FnMut(usize) -> Command<B>| -> Result<Vec<Reply<B>>> {
+        for (i, s) in senders.iter().enumerate() {
+            if s.send(make(i)).is_err() {
+                bail!("replica {i} on {} stopped", device_name(i));
+            }
+        }
+        let mut out: Vec<Option<Reply<B>>> = (0..replicas).map(|_| None).collect();
+        for _ in 0..replicas {
+            let (i, r) = reply_rx.recv().context("a replica thread ended")?;
+            match r {
+                Ok(r) => out[i] = Some(r),
+                Err(why) => bail!("replica {i} on {} failed: {why}", device_name(i)),
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| r.expect("every replica replied"))
+            .collect())
+    };
+    let loader_config = LoaderConfig {
+        batch_size,
+        image_size: config.model.image_size,
+        augmentations: config.data.augmentation.clone(),
+        shuffle: true,
+        seed: config.train.seed,
+        workers: if config.data.workers == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            config.data.workers
+        },
+        prefetch: config.data.prefetch,
+    };
+    let mut loader = Loader::new(index.clone(), loader_config, start.position)?;
+    let metrics_path = options.model_dir.join("metrics.jsonl");
+    let mut metrics_file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    let mut write_metrics = |v: serde_json::Value| -> Result<()> {
+        writeln!(metrics_file, "{v}").with_context(|| format!("writing {}", metrics_path.display()))
+    };
+
+    let class_names: Vec<String> = (1..=config.model.num_classes)
+        .map(|i| config.model.class_name(i))
+        .collect();
+    let mut step = start.step;
+    let mut position = start.position;
+    let mut last_checkpoint = None;
+    let mut last_metrics = None;
+    let mut last_loss = LossValues::default();
+    let mut lr = config.train.optimizer.learning_rate().at(step);
+    let run_start = Instant::now();
+    let mut window = (Instant::now(), 0u64);
+    let mut sync_seconds = 0.0;
+    let first_step = step;
+
+    // Average BatchNorm statistics over replicas, then snapshot replica 0.
+    let snapshot =
+        |step: u64, position: Position, lr: f64| -> Result<(PathBuf, Ssd<B>, Option<Ssd<B>>)> {
+            if replicas > 1 {
+                let stats: Vec<_> = broadcast(&mut |_| Command::BnStats)?
+                    .into_iter()
+                    .map(|r| match r {
+                        Reply::BnStats(s) => s,
+                        _ => unreachable!("BnStats answers BnStats"),
+                    })
+                    .collect();
+                let averaged: Vec<_> = {
+                    let n = stats.len() as f64;
+                    (0..stats[0].len())
+                        .map(|k| {
+                            let dev = &devices[0];
+                            let mean = stats
+                                .iter()
+                                .map(|s| s[k].0.clone().to_device(dev))
+                                .reduce(|a, b| a + b)
+                                .expect("replicas")
+                                .div_scalar(n);
+                            let var = stats
+                                .iter()
+                                .map(|s| s[k].1.clone().to_device(dev))
+                                .reduce(|a, b| a + b)
+                                .expect("replicas")
+                                .div_scalar(n);
+                            (mean, var)
+                        })
+                        .collect()
+                };
+                broadcast(&mut |i| {
+                    Command::SetBnStats(
+                        averaged
+                            .iter()
+                            .map(|(m, v)| {
+                                (
+                                    m.clone().to_device(&devices[i]),
+                                    v.clone().to_device(&devices[i]),
+                                )
+                            })
+                            .collect(),
+                    )
+                })?;
+            }
+            let mut replies = broadcast(&mut |_| Command::Snapshot)?;
+            let Reply::Snapshot {
+                weights,
+                optimizer,
+                ema,
+                model,
+            } = replies.swap_remove(0)
+            else {
+                unreachable!("Snapshot answers Snapshot")
+            };
+            let ema_model = match &ema {
+                Some(bytes) => Some(weights_from_bytes::<B>(
+                    &config.model,
+                    bytes.clone(),
+                    Path::new("ema"),
+                    &devices[0],
+                )?),
+                None => None,
+            };
+            let state = CheckpointState {
+                step,
+                position,
+                seed: config.train.seed,
+                learning_rate: lr,
+                replicas,
+                has_ema: ema.is_some(),
+            };
+            let dir = checkpoint::save(
+                &options.model_dir,
+                &state,
+                &CheckpointFiles {
+                    weights,
+                    optimizer,
+                    ema,
+                },
+                config.train.keep_checkpoints,
+            )
+            .context("writing a checkpoint (the previous one is kept)")?;
+            Ok((dir, *model, ema_model))
+        };
+    let evaluate_now = |model: &Ssd<B>, ema: Option<&Ssd<B>>| -> Result<Option<Metrics>> {
+        let Some(eval_index) = &eval_index else {
+            return Ok(None);
+        };
+        let net = ema.unwrap_or(model);
+        let results = run_on_dataset(
+            net,
+            &config.model,
+            eval_index,
+            config.eval.max_images,
+            config.eval.batch_size,
+            &devices[0],
+        )?;
+        Ok(Some(evaluate(&results, &class_names)))
+    };
+
+    let num_steps = config.train.num_steps;
+    while step < num_steps && !options.stop.load(Ordering::Relaxed) {
+        let batch = loader.next().context("the data loader stopped")??;
+        position = batch.next_position;
+        lr = config.train.optimizer.learning_rate().at(step);
+        let mut parts = batch.split(replicas).into_iter();
+        let replies = broadcast(&mut |_| Command::Step {
+            batch: parts.next().expect("one part per replica"),
+            learning_rate: lr,
+            step,
+        })?;
+        let mut loss = LossValues::default();
+        for r in &replies {
+            if let Reply::Stepped {
+                loss: l,
+                sync_seconds: s,
+            } = r
+            {
+                loss.classification += l.classification / replicas as f32;
+                loss.localization += l.localization / replicas as f32;
+                loss.regularization += l.regularization / replicas as f32;
+                loss.total += l.total / replicas as f32;
+                sync_seconds += s / replicas as f64;
+            }
+        }
+        if !loss.total.is_finite() {
+            let kept = checkpoint::latest(&options.model_dir)?
+                .map_or("none".into(), |p| p.display().to_string());
+            bail!(
+                "the loss is {} at step {step} (classification {}, localization {}); stopped, last good checkpoint: {kept}",
+                loss.total,
+                loss.classification,
+                loss.localization
+            );
+        }
+        step += 1;
+        last_loss = loss;
+        window.1 += 1;
+        if step % config.train.log_every == 0 || step == num_steps {
+            let secs = window.0.elapsed().as_secs_f64();
+            let ips = (window.1 as usize * batch_size) as f64 / secs.max(1e-9);
+            let eta = (num_steps - step) as f64 * secs / window.1 as f64;
+            log(format!(
+                "step {step}/{num_steps} | loss {:.4} (cls {:.4}, loc {:.4}, reg {:.4}) | lr {lr:.6} | {ips:.1} img/s | eta {:.0}s",
+                loss.total, loss.classification, loss.localization, loss.regularization, eta
+            ));
+            write_metrics(
+                json!({"step": step, "loss": loss, "learning_rate": lr, "images_per_sec": ips, "seconds": run_start.elapsed().as_secs_f64()}),
+            )?;
+            window = (Instant::now(), 0);
+        }
+        let eval_due = config.eval.every > 0 && step.is_multiple_of(config.eval.every);
+        if step.is_multiple_of(config.train.checkpoint_every) || eval_due {
+            let (dir, model, ema) = snapshot(step, position, lr)?;
+            log(format!("checkpoint {}", dir.display()));
+            last_checkpoint = Some(dir);
+            if eval_due && let Some(m) = evaluate_now(&model, ema.as_ref())? {
+                log(format!(
+                    "eval at step {step}: VOC mAP@0.5 {:.4}, COCO AP {:.4}",
+                    m.voc_mAP, m.AP
+                ));
+                write_metrics(json!({"step": step, "eval": m}))?;
+                last_metrics = Some(m);
+            }
+        }
+    }
+    if step > first_step
+        && last_checkpoint
+            .as_ref()
+            .is_none_or(|p| checkpoint::read_state(p).map(|s| s.step).unwrap_or(0) != step)
+    {
+        let (dir, model, ema) = snapshot(step, position, lr)?;
+        log(format!("checkpoint {}", dir.display()));
+        last_checkpoint = Some(dir);
+        if !options.stop.load(Ordering::Relaxed)
+            && let Some(m) = evaluate_now(&model, ema.as_ref())?
+        {
+            write_metrics(json!({"step": step, "eval": m}))?;
+            last_metrics = Some(m);
+        }
+    }
+    drop(senders);
+    for h in handles {
+        let _ = h.join();
+    }
+    let seconds = run_start.elapsed().as_secs_f64();
+    let steps_this_run = step - first_step;
+    let summary = RunSummary {
+        step,
+        steps_this_run,
+        last_loss,
+        images_per_sec: (steps_this_run as usize * batch_size) as f64 / seconds.max(1e-9),
+        sync_seconds,
+        seconds,
+        metrics: last_metrics,
+        checkpoint: last_checkpoint,
+    };
+    Ok(summary)
+}
+
+use burn::tensor::ElementConversion;

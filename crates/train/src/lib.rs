@@ -1,0 +1,12 @@
+//! The multi-device SSD learner: TF-semantics optimizers and learning-rate schedules, weight
+//! EMA, data-parallel replicas with a bucketed gradient all-reduce, atomic checkpoints with
+//! exact resume, and COCO / PASCAL VOC evaluation.
+
+pub mod checkpoint;
+pub mod config;
+pub mod ema;
+pub mod eval;
+pub mod learner;
+pub mod metrics;
+pub mod optim;
+pub mod sync;

@@ -1,0 +1,236 @@
+//! Optimizers with TensorFlow's update rules (Burn's RMSProp is PyTorch-style), as Burn
+//! `SimpleOptimizer`s so they plug into `OptimizerAdaptor` (state records, checkpoints).
+//!
+//! - RMSProp (`tf.train.RMSPropOptimizer`): `ms <- decay ms + (1 - decay) g^2` with `ms`
+//!   starting at 1, `mom <- momentum mom + lr g / sqrt(ms + epsilon)`, `w <- w - mom`.
+//! - Momentum (`tf.train.MomentumOptimizer`): `a <- momentum a + g`, `w <- w - lr a`.
+//! - Adam (`tf.train.AdamOptimizer`): `lr_t = lr sqrt(1 - b2^t) / (1 - b1^t)`,
+//!   `w <- w - lr_t m / (sqrt(v) + epsilon)`.
+
+use burn::optim::SimpleOptimizer;
+use burn::record::Record;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::config::OptimizerConfig;
+
+/// The update rule and its constants.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TfOptimizer {
+    /// RMSProp with momentum.
+    RmsProp {
+        /// Momentum.
+        momentum: f32,
+        /// Decay of the mean square.
+        decay: f32,
+        /// Added inside the square root.
+        epsilon: f32,
+    },
+    /// Heavy-ball momentum.
+    Momentum {
+        /// Momentum.
+        momentum: f32,
+    },
+    /// Adam.
+    Adam {
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root of the second moment.
+        epsilon: f32,
+    },
+}
+
+impl From<&OptimizerConfig> for TfOptimizer {
+    fn from(c: &OptimizerConfig) -> Self {
+        match *c {
+            OptimizerConfig::RmsProp {
+                momentum,
+                decay,
+                epsilon,
+                ..
+            } => Self::RmsProp {
+                momentum,
+                decay,
+                epsilon,
+            },
+            OptimizerConfig::Momentum { momentum, .. } => Self::Momentum { momentum },
+            OptimizerConfig::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                ..
+            } => Self::Adam {
+                beta1,
+                beta2,
+                epsilon,
+            },
+        }
+    }
+}
+
+/// Slots of one parameter: RMSProp `(ms, mom)`, Momentum `(accumulator, -)`, Adam `(m, v)`.
+#[derive(Record, Clone)]
+pub struct Slots<B: Backend, const D: usize> {
+    /// First slot.
+    pub first: Tensor<B, D>,
+    /// Second slot (absent for momentum).
+    pub second: Option<Tensor<B, D>>,
+    /// Updates applied (Adam's `t`).
+    pub time: usize,
+}
+
+impl<B: Backend> SimpleOptimizer<B> for TfOptimizer {
+    type State<const D: usize> = Slots<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: f64,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        match *self {
+            Self::RmsProp {
+                momentum,
+                decay,
+                epsilon,
+            } => {
+                let (ms, mom, time) = match state {
+                    Some(s) => (
+                        s.first,
+                        s.second.unwrap_or_else(|| tensor.zeros_like()),
+                        s.time,
+                    ),
+                    None => (tensor.ones_like(), tensor.zeros_like(), 0),
+                };
+                let ms = ms.mul_scalar(decay) + grad.clone().square().mul_scalar(1.0 - decay);
+                let mom = mom.mul_scalar(momentum)
+                    + grad.mul_scalar(lr) / ms.clone().add_scalar(epsilon).sqrt();
+                let tensor = tensor - mom.clone();
+                (
+                    tensor,
+                    Some(Slots {
+                        first: ms,
+                        second: Some(mom),
+                        time: time + 1,
+                    }),
+                )
+            }
+            Self::Momentum { momentum } => {
+                let (acc, time) = match state {
+                    Some(s) => (s.first.mul_scalar(momentum) + grad, s.time),
+                    None => (grad, 0),
+                };
+                let tensor = tensor - acc.clone().mul_scalar(lr);
+                (
+                    tensor,
+                    Some(Slots {
+                        first: acc,
+                        second: None,
+                        time: time + 1,
+                    }),
+                )
+            }
+            Self::Adam {
+                beta1,
+                beta2,
+                epsilon,
+            } => {
+                let (m, v, time) = match state {
+                    Some(s) => (
+                        s.first,
+                        s.second.unwrap_or_else(|| tensor.zeros_like()),
+                        s.time,
+                    ),
+                    None => (tensor.zeros_like(), tensor.zeros_like(), 0),
+                };
+                let t = time as i32 + 1;
+                let m = m.mul_scalar(beta1) + grad.clone().mul_scalar(1.0 - beta1);
+                let v = v.mul_scalar(beta2) + grad.square().mul_scalar(1.0 - beta2);
+                let lr_t =
+                    lr * (1.0 - (beta2 as f64).powi(t)).sqrt() / (1.0 - (beta1 as f64).powi(t));
+                let tensor =
+                    tensor - (m.clone() / v.clone().sqrt().add_scalar(epsilon)).mul_scalar(lr_t);
+                (
+                    tensor,
+                    Some(Slots {
+                        first: m,
+                        second: Some(v),
+                        time: time + 1,
+                    }),
+                )
+            }
+        }
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
+        Slots {
+            first: state.first.to_device(device),
+            second: state.second.map(|s| s.to_device(device)),
+            time: state.time,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::TensorData;
+
+    type B = Flex;
+
+    fn run(opt: TfOptimizer, lr: f64, grads: &[f32]) -> Vec<f32> {
+        let device = Default::default();
+        let mut w = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32], [1]), &device);
+        let mut state = None;
+        let mut out = Vec::new();
+        for &g in grads {
+            let grad = Tensor::<B, 1>::from_data(TensorData::new(vec![g], [1]), &device);
+            let (nw, ns) = SimpleOptimizer::<B>::step(&opt, lr, w, grad, state);
+            w = nw;
+            state = ns;
+            out.push(w.clone().into_scalar());
+        }
+        out
+    }
+
+    #[test]
+    fn rmsprop_matches_tf_by_hand() {
+        // ms0 = 1; g = 2: ms1 = 0.9 + 0.1 * 4 = 1.3, mom1 = 0.01 * 2 / sqrt(1.3 + 1) ,
+        // g = 1: ms2 = 1.17 + 0.1 = 1.27, mom2 = 0.9 mom1 + 0.01 / sqrt(2.27)
+        let opt = TfOptimizer::RmsProp {
+            momentum: 0.9,
+            decay: 0.9,
+            epsilon: 1.0,
+        };
+        let w = run(opt, 0.01, &[2.0, 1.0]);
+        let mom1 = 0.02 / 2.3f64.sqrt();
+        let mom2 = 0.9 * mom1 + 0.01 / 2.27f64.sqrt();
+        assert!((w[0] as f64 - (1.0 - mom1)).abs() < 1e-6, "{w:?}");
+        assert!((w[1] as f64 - (1.0 - mom1 - mom2)).abs() < 1e-6, "{w:?}");
+    }
+
+    #[test]
+    fn momentum_and_adam_match_tf_by_hand() {
+        let w = run(TfOptimizer::Momentum { momentum: 0.5 }, 0.1, &[1.0, 1.0]);
+        // a1 = 1, w = 0.9; a2 = 1.5, w = 0.75
+        assert!(
+            (w[0] - 0.9).abs() < 1e-6 && (w[1] - 0.75).abs() < 1e-6,
+            "{w:?}"
+        );
+        let w = run(
+            TfOptimizer::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-8,
+            },
+            0.1,
+            &[0.5],
+        );
+        // t = 1: m = 0.05, v = 0.00025, lr_t = 0.1 sqrt(0.001) / 0.1; step = lr_t m / sqrt(v) = 0.1
+        assert!((w[0] - 0.9).abs() < 1e-5, "{w:?}");
+    }
+}

@@ -1,0 +1,261 @@
+//! Gradient synchronisation between replicas, behind one small trait so that a multi-node
+//! transport can plug in later. Gradients travel as a few large flat buckets, not one
+//! round-trip per tensor.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use model::Ssd;
+
+/// Averages gradient buckets over replicas.
+pub trait GradientSync<B: Backend>: Send + Sync {
+    /// Called by every replica once per step with its buckets (same count and sizes on every
+    /// replica); returns the element-wise mean over replicas, identical for all of them.
+    fn all_reduce_mean(
+        &self,
+        replica: usize,
+        buckets: Vec<Tensor<B, 1>>,
+    ) -> Result<Vec<Tensor<B, 1>>, String>;
+
+    /// Makes every pending and future call fail (a replica died): nobody waits forever.
+    fn abort(&self, reason: String);
+}
+
+struct Round<B: Backend> {
+    deposits: Vec<Option<Vec<Tensor<B, 1>>>>,
+    result: Option<Arc<Vec<Tensor<B, 1>>>>,
+    taken: usize,
+    aborted: Option<String>,
+}
+
+/// All-reduce between threads of one process: the sum is formed on the first replica's
+/// device in replica order (so it is deterministic), divided by the replica count, and copied
+/// to every replica's device.
+pub struct InProcessAllReduce<B: Backend> {
+    replicas: usize,
+    state: Mutex<Round<B>>,
+    signal: Condvar,
+}
+
+impl<B: Backend> InProcessAllReduce<B> {
+    /// A reducer for `replicas` participants.
+    pub fn new(replicas: usize) -> Self {
+        Self {
+            replicas,
+            state: Mutex::new(Round {
+                deposits: vec![None; replicas],
+                result: None,
+                taken: 0,
+                aborted: None,
+            }),
+            signal: Condvar::new(),
+        }
+    }
+}
+
+impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
+    fn all_reduce_mean(
+        &self,
+        replica: usize,
+        buckets: Vec<Tensor<B, 1>>,
+    ) -> Result<Vec<Tensor<B, 1>>, String> {
+        let device = buckets.first().map(|b| b.device());
+        if self.replicas == 1 {
+            return Ok(buckets);
+        }
+        let lock = |e: std::sync::PoisonError<_>| format!("gradient exchange poisoned: {e}");
+        let mut state = self.state.lock().map_err(lock)?;
+        // wait until the previous round's result has been taken by everyone
+        while state.result.is_some() && state.aborted.is_none() {
+            state = self.signal.wait(state).map_err(lock)?;
+        }
+        if let Some(why) = &state.aborted {
+            return Err(why.clone());
+        }
+        state.deposits[replica] = Some(buckets);
+        if state.deposits.iter().all(Option::is_some) {
+            let mut all = state
+                .deposits
+                .iter_mut()
+                .map(|d| d.take().expect("all deposited"));
+            let first = all.next().expect("at least two replicas");
+            let root = first[0].device();
+            let mut sum = first;
+            for other in all {
+                for (s, o) in sum.iter_mut().zip(other) {
+                    *s = s.clone() + o.to_device(&root);
+                }
+            }
+            let n = self.replicas as f64;
+            state.result = Some(Arc::new(sum.into_iter().map(|s| s.div_scalar(n)).collect()));
+            self.signal.notify_all();
+        } else {
+            while state.result.is_none() && state.aborted.is_none() {
+                state = self.signal.wait(state).map_err(lock)?;
+            }
+            if let Some(why) = &state.aborted {
+                return Err(why.clone());
+            }
+        }
+        let result = state.result.clone().expect("result present");
+        state.taken += 1;
+        if state.taken == self.replicas {
+            state.result = None;
+            state.taken = 0;
+            self.signal.notify_all();
+        }
+        drop(state);
+        let device = device.expect("non-empty buckets");
+        Ok(result
+            .iter()
+            .map(|t| t.clone().to_device(&device))
+            .collect())
+    }
+
+    fn abort(&self, reason: String) {
+        if let Ok(mut state) = self.state.lock() {
+            state.aborted.get_or_insert(reason);
+        }
+        self.signal.notify_all();
+    }
+}
+
+/// Where each trainable parameter sits in the flat buckets.
+#[derive(Debug, Clone)]
+pub struct BucketLayout {
+    /// `(id, shape)` of each parameter, in module order.
+    params: Vec<(ParamId, Vec<usize>)>,
+    /// Parameters per bucket.
+    bucket_sizes: Vec<usize>,
+}
+
+/// Largest bucket, in elements (16 MiB of f32).
+const BUCKET_ELEMENTS: usize = 4 << 20;
+
+struct Flatten<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    params: Vec<(ParamId, Vec<usize>)>,
+    pieces: Vec<Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            let dims = g.dims().to_vec();
+            let n: usize = dims.iter().product();
+            self.params.push((param.id, dims));
+            self.pieces.push(g.reshape([n]));
+        }
+    }
+}
+
+/// Cuts the gradients of `model` into flat buckets (in module order).
+pub fn flatten_gradients<B: AutodiffBackend>(
+    model: &Ssd<B>,
+    mut grads: GradientsParams,
+) -> (BucketLayout, Vec<Tensor<B::InnerBackend, 1>>) {
+    let mut v = Flatten::<B> {
+        grads: &mut grads,
+        params: Vec::new(),
+        pieces: Vec::new(),
+    };
+    burn::module::Module::visit(model, &mut v);
+    let (params, pieces) = (v.params, v.pieces);
+    let mut buckets = Vec::new();
+    let mut bucket_sizes = Vec::new();
+    let mut current: Vec<Tensor<B::InnerBackend, 1>> = Vec::new();
+    let mut elements = 0;
+    for piece in pieces {
+        elements += piece.dims()[0];
+        current.push(piece);
+        if elements >= BUCKET_ELEMENTS {
+            bucket_sizes.push(current.len());
+            buckets.push(Tensor::cat(std::mem::take(&mut current), 0));
+            elements = 0;
+        }
+    }
+    if !current.is_empty() {
+        bucket_sizes.push(current.len());
+        buckets.push(Tensor::cat(current, 0));
+    }
+    (
+        BucketLayout {
+            params,
+            bucket_sizes,
+        },
+        buckets,
+    )
+}
+
+/// Global L2 norm of the buckets.
+pub fn global_norm<B: Backend>(buckets: &[Tensor<B, 1>]) -> f32 {
+    buckets
+        .iter()
+        .map(|b| b.clone().square().sum().into_scalar().elem::<f32>() as f64)
+        .sum::<f64>()
+        .sqrt() as f32
+}
+
+use burn::tensor::ElementConversion;
+
+/// Rebuilds per-parameter gradients from buckets laid out by [`flatten_gradients`].
+pub fn unflatten_gradients<B: AutodiffBackend>(
+    layout: &BucketLayout,
+    buckets: Vec<Tensor<B::InnerBackend, 1>>,
+) -> GradientsParams {
+    let mut grads = GradientsParams::new();
+    let mut params = layout.params.iter();
+    for (bucket, &count) in buckets.into_iter().zip(&layout.bucket_sizes) {
+        let mut offset = 0;
+        for (id, dims) in params.by_ref().take(count) {
+            let n: usize = dims.iter().product();
+            let flat = bucket.clone().narrow(0, offset, n);
+            offset += n;
+            match dims.len() {
+                1 => grads.register::<B::InnerBackend, 1>(*id, flat),
+                4 => grads.register::<B::InnerBackend, 4>(
+                    *id,
+                    flat.reshape([dims[0], dims[1], dims[2], dims[3]]),
+                ),
+                d => unreachable!("SSD parameters are 1-D or 4-D, not {d}-D"),
+            }
+        }
+    }
+    grads
+}
+
+/// Parameter ids that receive gradients (the trainable ones).
+pub fn trainable_ids(layout: &BucketLayout) -> Vec<ParamId> {
+    layout.params.iter().map(|(id, _)| *id).collect()
+}
+
+/// Replaces the BatchNorm moving statistics of `model` by their mean over `all` replicas' stats.
+pub fn average_bn_stats<B: Backend>(model: &Ssd<B>, all: &[Vec<(Tensor<B, 1>, Tensor<B, 1>)>]) {
+    let n = all.len() as f64;
+    for (i, bn) in model.batch_norms().into_iter().enumerate() {
+        let device = bn.gamma.val().device();
+        let (mut mean, mut var) = (bn.gamma.val().zeros_like(), bn.gamma.val().zeros_like());
+        for stats in all {
+            mean = mean + stats[i].0.clone().to_device(&device);
+            var = var + stats[i].1.clone().to_device(&device);
+        }
+        bn.set_moving_stats(mean.div_scalar(n), var.div_scalar(n));
+    }
+}
+
+/// The moving statistics of every BatchNorm of `model`.
+pub fn bn_stats<B: Backend>(model: &Ssd<B>) -> Vec<(Tensor<B, 1>, Tensor<B, 1>)> {
+    model
+        .batch_norms()
+        .into_iter()
+        .map(|bn| bn.moving_stats())
+        .collect()
+}
+
+/// The inner-backend copy of a training replica.
+pub fn inference_copy<B: AutodiffBackend>(model: &Ssd<B>) -> Ssd<B::InnerBackend> {
+    model.valid()
+}
