@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
-use burn::module::{AutodiffModule, Module, ParamId};
+use burn::module::{AutodiffModule, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
@@ -37,8 +37,7 @@ use crate::eval::run_on_dataset;
 use crate::metrics::{Metrics, evaluate};
 use crate::optim::TfOptimizer;
 use crate::sync::{
-    GradientSync, InProcessAllReduce, average_bn_stats, bn_stats, flatten_gradients, global_norm,
-    unflatten_gradients,
+    GradientSync, InProcessAllReduce, bn_stats, flatten_gradients, global_norm, unflatten_gradients,
 };
 
 type Train<B> = Autodiff<B>;
@@ -188,9 +187,9 @@ impl<B: Backend> Replica<B> {
             } => self.step(batch, learning_rate, step),
             Command::BnStats => Ok(Reply::BnStats(bn_stats(&self.model.valid()))),
             Command::SetBnStats(stats) => {
-                let inner = self.model.valid();
-                average_bn_stats(&inner, &[stats]);
-                self.model = Ssd::from_inner(inner);
+                for (bn, (mean, var)) in self.model.batch_norms().into_iter().zip(stats) {
+                    bn.set_moving_stats(Tensor::from_inner(mean), Tensor::from_inner(var));
+                }
                 Ok(Reply::Done)
             }
             Command::Snapshot => {
@@ -334,6 +333,7 @@ pub fn train<B: Backend>(
         batch_size / replicas
     ));
     let start = starting_point::<B>(config, &options.model_dir, &devices[0], &log)?;
+    let start_weights = weights_to_bytes(&start.model.valid());
     let anchors = Arc::new(model::ssd::anchors(&config.model));
     let shared_config = Arc::new(config.clone());
     let sync: Arc<dyn GradientSync<B>> = Arc::new(InProcessAllReduce::<B>::new(replicas));
@@ -341,12 +341,15 @@ pub fn train<B: Backend>(
     let mut senders = Vec::new();
     let mut handles = Vec::new();
     for (i, device) in devices.iter().enumerate() {
-        // a fresh network per replica loaded from one record: same weights and ids, but its own
-        // BatchNorm running state (clones would share it)
-        let model = config
-            .model
-            .init::<Train<B>>(config.train.seed, device)?
-            .load_record(start.model.clone().into_record());
+        // Every replica is decoded afresh from the same bytes: the same weights and parameter
+        // ids, but its own autodiff leaves and BatchNorm running state (clones would share
+        // both across threads).
+        let model = weights_from_bytes::<Train<B>>(
+            &config.model,
+            start_weights.clone(),
+            Path::new("start"),
+            device,
+        )?;
         let mut optim: Optim<B> =
             OptimizerAdaptor::from(TfOptimizer::from(&config.train.optimizer));
         if let Some(bytes) = &start.optimizer {
@@ -419,13 +422,16 @@ pub fn train<B: Backend>(
     };
     let mut loader = Loader::new(index.clone(), loader_config, start.position)?;
     let metrics_path = options.model_dir.join("metrics.jsonl");
-    let mut metrics_file = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .with_context(|| format!("opening {}", metrics_path.display()))?;
-    let mut write_metrics = |v: serde_json::Value| -> Result<()> {
-        writeln!(metrics_file, "{v}").with_context(|| format!("writing {}", metrics_path.display()))
+    let metrics_file = std::cell::RefCell::new(
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&metrics_path)
+            .with_context(|| format!("opening {}", metrics_path.display()))?,
+    );
+    let write_metrics = |v: serde_json::Value| -> Result<()> {
+        writeln!(metrics_file.borrow_mut(), "{v}")
+            .with_context(|| format!("writing {}", metrics_path.display()))
     };
 
     let class_names: Vec<String> = (1..=config.model.num_classes)
@@ -488,16 +494,27 @@ pub fn train<B: Backend>(
                     )
                 })?;
             }
-            let mut replies = broadcast(&mut |_| Command::Snapshot)?;
-            let Reply::Snapshot {
-                weights,
-                optimizer,
-                ema,
-                model,
-            } = replies.swap_remove(0)
-            else {
-                unreachable!("Snapshot answers Snapshot")
-            };
+            let mut snapshots: Vec<_> = broadcast(&mut |_| Command::Snapshot)?
+                .into_iter()
+                .map(|r| match r {
+                    Reply::Snapshot {
+                        weights,
+                        optimizer,
+                        ema,
+                        model,
+                    } => (weights, optimizer, ema, model),
+                    _ => unreachable!("Snapshot answers Snapshot"),
+                })
+                .collect();
+            // the replicas must hold bit-identical weights (and, after the averaging above,
+            // BatchNorm statistics)
+            if let Some(i) = snapshots.iter().position(|s| s.0 != snapshots[0].0) {
+                bail!(
+                    "replica {i} on {} diverged from replica 0 at step {step}",
+                    device_name(i)
+                );
+            }
+            let (weights, optimizer, ema, model) = snapshots.swap_remove(0);
             let ema_model = match &ema {
                 Some(bytes) => Some(weights_from_bytes::<B>(
                     &config.model,
@@ -528,21 +545,31 @@ pub fn train<B: Backend>(
             .context("writing a checkpoint (the previous one is kept)")?;
             Ok((dir, *model, ema_model))
         };
-    let evaluate_now = |model: &Ssd<B>, ema: Option<&Ssd<B>>| -> Result<Option<Metrics>> {
-        let Some(eval_index) = &eval_index else {
-            return Ok(None);
+    // Evaluates the snapshot (its EMA weights when present), logs and records the metrics.
+    let evaluate_now =
+        |step: u64, snapshot: &Option<(u64, Ssd<B>, Option<Ssd<B>>)>| -> Result<Option<Metrics>> {
+            let (Some(eval_index), Some((_, model, ema))) = (&eval_index, snapshot) else {
+                return Ok(None);
+            };
+            let net = ema.as_ref().unwrap_or(model);
+            let results = run_on_dataset(
+                net,
+                &config.model,
+                eval_index,
+                config.eval.max_images,
+                config.eval.batch_size,
+                &devices[0],
+            )?;
+            let m = evaluate(&results, &class_names);
+            log(format!(
+                "eval at step {step}: VOC mAP@0.5 {:.4}, COCO AP {:.4}, AP50 {:.4}",
+                m.voc_mAP, m.AP, m.AP50
+            ));
+            write_metrics(json!({"step": step, "eval": m}))?;
+            Ok(Some(m))
         };
-        let net = ema.unwrap_or(model);
-        let results = run_on_dataset(
-            net,
-            &config.model,
-            eval_index,
-            config.eval.max_images,
-            config.eval.batch_size,
-            &devices[0],
-        )?;
-        Ok(Some(evaluate(&results, &class_names)))
-    };
+    let mut last_snapshot: Option<(u64, Ssd<B>, Option<Ssd<B>>)> = None;
+    let mut evaluated_at = u64::MAX;
 
     let num_steps = config.train.num_steps;
     while step < num_steps && !options.stop.load(Ordering::Relaxed) {
@@ -600,29 +627,24 @@ pub fn train<B: Backend>(
             let (dir, model, ema) = snapshot(step, position, lr)?;
             log(format!("checkpoint {}", dir.display()));
             last_checkpoint = Some(dir);
-            if eval_due && let Some(m) = evaluate_now(&model, ema.as_ref())? {
-                log(format!(
-                    "eval at step {step}: VOC mAP@0.5 {:.4}, COCO AP {:.4}",
-                    m.voc_mAP, m.AP
-                ));
-                write_metrics(json!({"step": step, "eval": m}))?;
-                last_metrics = Some(m);
+            last_snapshot = Some((step, model, ema));
+            if eval_due {
+                last_metrics = evaluate_now(step, &last_snapshot)?;
+                evaluated_at = step;
             }
         }
     }
-    if step > first_step
-        && last_checkpoint
-            .as_ref()
-            .is_none_or(|p| checkpoint::read_state(p).map(|s| s.step).unwrap_or(0) != step)
-    {
-        let (dir, model, ema) = snapshot(step, position, lr)?;
-        log(format!("checkpoint {}", dir.display()));
-        last_checkpoint = Some(dir);
-        if !options.stop.load(Ordering::Relaxed)
-            && let Some(m) = evaluate_now(&model, ema.as_ref())?
-        {
-            write_metrics(json!({"step": step, "eval": m}))?;
-            last_metrics = Some(m);
+    // the end of the run (or a stop request): a checkpoint and, unless interrupted, a final
+    // evaluation, each unless this step already has one
+    if step > first_step {
+        if last_snapshot.as_ref().is_none_or(|s| s.0 != step) {
+            let (dir, model, ema) = snapshot(step, position, lr)?;
+            log(format!("checkpoint {}", dir.display()));
+            last_checkpoint = Some(dir);
+            last_snapshot = Some((step, model, ema));
+        }
+        if evaluated_at != step && !options.stop.load(Ordering::Relaxed) {
+            last_metrics = evaluate_now(step, &last_snapshot)?;
         }
     }
     drop(senders);

@@ -62,18 +62,33 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
         replica: usize,
         buckets: Vec<Tensor<B, 1>>,
     ) -> Result<Vec<Tensor<B, 1>>, String> {
-        let device = buckets.first().map(|b| b.device());
         if self.replicas == 1 {
             return Ok(buckets);
         }
-        let lock = |e: std::sync::PoisonError<_>| format!("gradient exchange poisoned: {e}");
-        let mut state = self.state.lock().map_err(lock)?;
+        let device = buckets
+            .first()
+            .map(|b| b.device())
+            .ok_or("no gradients to exchange")?;
+        let sizes: Vec<usize> = buckets.iter().map(|b| b.dims()[0]).collect();
+        // a panic elsewhere never leaves the exchange unusable: recover the guard
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         // wait until the previous round's result has been taken by everyone
         while state.result.is_some() && state.aborted.is_none() {
-            state = self.signal.wait(state).map_err(lock)?;
+            state = self.signal.wait(state).unwrap_or_else(|e| e.into_inner());
         }
         if let Some(why) = &state.aborted {
             return Err(why.clone());
+        }
+        if let Some(other) = state.deposits.iter().flatten().next() {
+            let theirs: Vec<usize> = other.iter().map(|b| b.dims()[0]).collect();
+            if theirs != sizes {
+                let why = format!(
+                    "replica {replica} sent gradient buckets of sizes {sizes:?}, another {theirs:?}"
+                );
+                state.aborted = Some(why.clone());
+                self.signal.notify_all();
+                return Err(why);
+            }
         }
         state.deposits[replica] = Some(buckets);
         if state.deposits.iter().all(Option::is_some) {
@@ -94,7 +109,7 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
             self.signal.notify_all();
         } else {
             while state.result.is_none() && state.aborted.is_none() {
-                state = self.signal.wait(state).map_err(lock)?;
+                state = self.signal.wait(state).unwrap_or_else(|e| e.into_inner());
             }
             if let Some(why) = &state.aborted {
                 return Err(why.clone());
@@ -108,7 +123,6 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
             self.signal.notify_all();
         }
         drop(state);
-        let device = device.expect("non-empty buckets");
         Ok(result
             .iter()
             .map(|t| t.clone().to_device(&device))
@@ -116,9 +130,11 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
     }
 
     fn abort(&self, reason: String) {
-        if let Ok(mut state) = self.state.lock() {
-            state.aborted.get_or_insert(reason);
-        }
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .aborted
+            .get_or_insert(reason);
         self.signal.notify_all();
     }
 }
@@ -143,12 +159,18 @@ struct Flatten<'a, B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            let dims = g.dims().to_vec();
-            let n: usize = dims.iter().product();
-            self.params.push((param.id, dims));
-            self.pieces.push(g.reshape([n]));
-        }
+        // A trainable parameter that received no gradient on this replica (it can happen when
+        // a sub-batch leaves a branch unused) contributes zeros, so every replica sends buckets
+        // of the same layout.
+        let grad = match self.grads.remove::<B::InnerBackend, D>(param.id) {
+            Some(g) => g,
+            None if param.val().is_require_grad() => param.val().inner().zeros_like(),
+            None => return,
+        };
+        let dims = grad.dims().to_vec();
+        let n: usize = dims.iter().product();
+        self.params.push((param.id, dims));
+        self.pieces.push(grad.reshape([n]));
     }
 }
 
@@ -258,4 +280,75 @@ pub fn bn_stats<B: Backend>(model: &Ssd<B>) -> Vec<(Tensor<B, 1>, Tensor<B, 1>)>
 /// The inner-backend copy of a training replica.
 pub fn inference_copy<B: AutodiffBackend>(model: &Ssd<B>) -> Ssd<B::InnerBackend> {
     model.valid()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::TensorData;
+
+    fn t(v: &[f32]) -> Tensor<Flex, 1> {
+        Tensor::from_data(TensorData::new(v.to_vec(), [v.len()]), &Default::default())
+    }
+
+    #[test]
+    fn all_reduce_averages_over_threads() {
+        let sync = Arc::new(InProcessAllReduce::<Flex>::new(3));
+        let handles: Vec<_> = (0..3)
+            .map(|i| {
+                let sync = sync.clone();
+                std::thread::spawn(move || {
+                    (0..5)
+                        .map(|round| {
+                            let v = (i * 10 + round) as f32;
+                            let out = sync
+                                .all_reduce_mean(i, vec![t(&[v, 1.0]), t(&[2.0 * v])])
+                                .unwrap();
+                            out.into_iter()
+                                .flat_map(|b| b.into_data().to_vec::<f32>().unwrap())
+                                .collect::<Vec<_>>()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for round in 0..5 {
+            let mean = 10.0 + round as f32;
+            for r in &results {
+                assert_eq!(r[round], vec![mean, 1.0, 2.0 * mean]);
+            }
+        }
+    }
+
+    #[test]
+    fn abort_releases_waiting_replicas() {
+        let sync = Arc::new(InProcessAllReduce::<Flex>::new(2));
+        let waiting = {
+            let sync = sync.clone();
+            std::thread::spawn(move || sync.all_reduce_mean(0, vec![t(&[1.0])]))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        sync.abort("replica 1 failed: out of memory".into());
+        let err = waiting.join().unwrap().unwrap_err();
+        assert!(err.contains("replica 1 failed"), "{err}");
+        assert!(sync.all_reduce_mean(1, vec![t(&[1.0])]).is_err());
+    }
+
+    #[test]
+    fn mismatched_layouts_fail_instead_of_hanging() {
+        let sync = Arc::new(InProcessAllReduce::<Flex>::new(2));
+        let first = {
+            let sync = sync.clone();
+            std::thread::spawn(move || sync.all_reduce_mean(0, vec![t(&[1.0, 2.0])]))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            sync.all_reduce_mean(1, vec![t(&[1.0])])
+                .unwrap_err()
+                .contains("sizes")
+        );
+        assert!(first.join().unwrap().is_err());
+    }
 }

@@ -1,0 +1,300 @@
+//! The learner end to end on the CPU, with tiny networks: replicas stay identical, two
+//! replicas equal one device averaging the two micro-batch gradients, kill-and-resume gives
+//! the uninterrupted result, checkpoints resume on another replica count, a diverging run
+//! stops naming the step.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::Tensor;
+use data::loader::{Loader, LoaderConfig, Position};
+use data::shards::expand_patterns;
+use data::tfrecord::RecordIndex;
+use model::loss::compute_loss;
+use model::targets::assign_targets;
+use model::weights::load_weights;
+use model::{Ssd, SsdConfig};
+use train::config::{
+    DataSettings, EvalSettings, LearningRate, OptimizerConfig, TrainConfig, TrainSettings,
+};
+use train::learner::{RunOptions, RunSummary, train};
+use train::optim::TfOptimizer;
+use train::sync::{flatten_gradients, unflatten_gradients};
+
+type B = Flex;
+
+fn prepare(dir: &Path) {
+    data::prepare::prepare_synthetic(dir, 3, 24, 6, 2, &|_, _| {}).unwrap();
+}
+
+fn config(dir: &Path, steps: u64) -> TrainConfig {
+    TrainConfig {
+        model: SsdConfig {
+            num_classes: 2,
+            image_size: [64, 64],
+            depth_multiplier: 0.25,
+            ..Default::default()
+        },
+        train: TrainSettings {
+            batch_size: 4,
+            num_steps: steps,
+            optimizer: OptimizerConfig::RmsProp {
+                learning_rate: LearningRate::Constant {
+                    learning_rate: 0.002,
+                },
+                momentum: 0.9,
+                decay: 0.9,
+                epsilon: 1.0,
+            },
+            moving_average_decay: None,
+            gradient_clipping_by_norm: None,
+            fine_tune_checkpoint: None,
+            fine_tune_backbone_only: false,
+            seed: 5,
+            checkpoint_every: 2,
+            keep_checkpoints: 5,
+            log_every: 1,
+        },
+        data: DataSettings {
+            train: vec![format!("{}/train.record-*", dir.display())],
+            eval: vec![format!("{}/val.record-*", dir.display())],
+            augmentation: vec![data::augment::Augmentation::RandomHorizontalFlip],
+            workers: 1,
+            prefetch: 2,
+            synthetic_if_missing: false,
+        },
+        eval: EvalSettings {
+            every: 0,
+            max_images: 6,
+            batch_size: 3,
+        },
+    }
+}
+
+fn run(config: &TrainConfig, model_dir: &Path, replicas: usize) -> anyhow::Result<RunSummary> {
+    let options = RunOptions {
+        model_dir: model_dir.to_path_buf(),
+        stop: Arc::new(AtomicBool::new(false)),
+        verbose: false,
+    };
+    train::<B>(config, &vec![Default::default(); replicas], &options)
+}
+
+fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
+    let dir = train::checkpoint::latest(model_dir).unwrap().unwrap();
+    let net: Ssd<B> =
+        load_weights(&config.model, &dir.join("model.mpk"), &Default::default()).unwrap();
+    let mut all = Vec::new();
+    for w in [
+        net.backbone.conv0.conv.weight.val(),
+        net.class_heads[0].weight.val(),
+    ] {
+        all.extend(w.into_data().to_vec::<f32>().unwrap());
+    }
+    all.extend(
+        net.backbone
+            .conv0
+            .bn
+            .moving_stats()
+            .1
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap(),
+    );
+    all
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn three_replicas_stay_identical_and_evaluate() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let runs = tempfile::tempdir().unwrap();
+    let mut c = config(data.path(), 3);
+    c.train.batch_size = 6;
+    c.train.checkpoint_every = 1;
+    c.train.moving_average_decay = Some(0.99);
+    // every checkpoint compares the replicas' weights byte for byte
+    let summary = run(&c, runs.path(), 3).unwrap();
+    assert_eq!(summary.step, 3);
+    assert!(summary.last_loss.total.is_finite());
+    let m = summary.metrics.expect("final evaluation");
+    assert!(m.AP >= 0.0 && m.voc_mAP >= 0.0);
+    let lines = std::fs::read_to_string(runs.path().join("metrics.jsonl")).unwrap();
+    assert!(lines.lines().count() >= 4, "{lines}");
+    assert!(runs.path().join("ckpt-00000003/ema.mpk").is_file());
+}
+
+/// Two replicas of batch 2 against one network taking the mean of the gradients of the same
+/// two micro-batches (and the mean of their BatchNorm statistics).
+#[test]
+fn two_replicas_equal_gradient_averaging_on_one_device() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let runs = tempfile::tempdir().unwrap();
+    let c = config(data.path(), 1);
+    run(&c, runs.path(), 2).unwrap();
+    let from_learner = weights(&c, runs.path());
+
+    let device = Default::default();
+    let index = Arc::new(RecordIndex::build(&expand_patterns(&c.data.train).unwrap()).unwrap());
+    let loader_config = LoaderConfig {
+        batch_size: 4,
+        image_size: c.model.image_size,
+        augmentations: c.data.augmentation.clone(),
+        shuffle: true,
+        seed: c.train.seed,
+        workers: 1,
+        prefetch: 1,
+    };
+    let batch = Loader::new(index, loader_config, Position::default())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    let anchors = model::ssd::anchors(&c.model);
+    let base = c.model.init::<Autodiff<B>>(c.train.seed, &device).unwrap();
+    let mut sum: Option<Vec<Tensor<B, 1>>> = None;
+    let mut layout = None;
+    let mut stats = Vec::new();
+    for part in batch.split(2) {
+        let net = c
+            .model
+            .init::<Autodiff<B>>(c.train.seed, &device)
+            .unwrap()
+            .load_record(base.clone().into_record());
+        let targets: Vec<_> = part
+            .ground_truth
+            .iter()
+            .map(|g| assign_targets(&c.model.matcher, &c.model.box_coder(), &anchors, g))
+            .collect();
+        let loss = compute_loss(
+            &net,
+            &c.model,
+            &anchors,
+            part.images_tensor(&device),
+            &targets,
+        );
+        let grads = GradientsParams::from_grads(loss.total.backward(), &net);
+        let (l, buckets) = flatten_gradients(&net, grads);
+        layout = Some(l);
+        sum = Some(match sum {
+            None => buckets,
+            Some(s) => s.into_iter().zip(buckets).map(|(a, b)| a + b).collect(),
+        });
+        stats.push(train::sync::bn_stats(&net.valid()));
+    }
+    let mean: Vec<_> = sum
+        .unwrap()
+        .into_iter()
+        .map(|b| b.div_scalar(2.0))
+        .collect();
+    let grads = unflatten_gradients::<Autodiff<B>>(&layout.unwrap(), mean);
+    let mut optim: OptimizerAdaptor<TfOptimizer, Ssd<Autodiff<B>>, Autodiff<B>> =
+        OptimizerAdaptor::from(TfOptimizer::from(&c.train.optimizer));
+    let stepped = optim.step(0.002, base, grads).valid();
+    train::sync::average_bn_stats(&stepped, &stats);
+    let mut manual = Vec::new();
+    for w in [
+        stepped.backbone.conv0.conv.weight.val(),
+        stepped.class_heads[0].weight.val(),
+    ] {
+        manual.extend(w.into_data().to_vec::<f32>().unwrap());
+    }
+    manual.extend(
+        stepped
+            .backbone
+            .conv0
+            .bn
+            .moving_stats()
+            .1
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap(),
+    );
+    let d = max_diff(&from_learner, &manual);
+    assert!(d < 1e-5, "max difference {d}");
+}
+
+#[test]
+fn interrupted_and_resumed_equals_uninterrupted() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(&config(data.path(), 4), a.path(), 1).unwrap();
+    // "killed" after step 2: a second process resumes from the checkpoint
+    run(&config(data.path(), 2), b.path(), 1).unwrap();
+    let resumed = run(&config(data.path(), 4), b.path(), 1).unwrap();
+    assert_eq!((resumed.step, resumed.steps_this_run), (4, 2));
+    let d = max_diff(
+        &weights(&config(data.path(), 4), a.path()),
+        &weights(&config(data.path(), 4), b.path()),
+    );
+    assert!(d < 1e-6, "max difference {d}");
+    // nothing left to do: a third run resumes at 4 and stops
+    assert_eq!(
+        run(&config(data.path(), 4), b.path(), 1)
+            .unwrap()
+            .steps_this_run,
+        0
+    );
+}
+
+#[test]
+fn checkpoints_move_between_replica_counts() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let runs = tempfile::tempdir().unwrap();
+    run(&config(data.path(), 2), runs.path(), 2).unwrap();
+    let state = train::checkpoint::read_state(&runs.path().join("ckpt-00000002")).unwrap();
+    assert_eq!((state.replicas, state.position.index), (2, 8));
+    let s = run(&config(data.path(), 4), runs.path(), 1).unwrap();
+    assert_eq!((s.step, s.steps_this_run), (4, 2));
+    let state = train::checkpoint::read_state(&runs.path().join("ckpt-00000004")).unwrap();
+    assert_eq!((state.replicas, state.position.index), (1, 16));
+    let s = run(&config(data.path(), 6), runs.path(), 2).unwrap();
+    assert_eq!(s.step, 6);
+}
+
+#[test]
+fn faults_are_clear_errors() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    // a diverging run stops at the step where the loss is no longer finite
+    let runs = tempfile::tempdir().unwrap();
+    let mut c = config(data.path(), 200);
+    c.train.optimizer = OptimizerConfig::Momentum {
+        learning_rate: LearningRate::Constant {
+            learning_rate: 1e12,
+        },
+        momentum: 0.9,
+    };
+    let err = format!("{:#}", run(&c, runs.path(), 1).unwrap_err());
+    assert!(
+        err.contains("at step") && err.contains("last good checkpoint"),
+        "{err}"
+    );
+    // a global batch that does not split over the replicas
+    let err = format!(
+        "{:#}",
+        run(&config(data.path(), 1), runs.path(), 3).unwrap_err()
+    );
+    assert!(err.contains("does not split evenly"), "{err}");
+    // missing data names the pattern
+    let mut c = config(data.path(), 1);
+    c.data.train = vec!["/nonexistent/train-*".into()];
+    let err = format!("{:#}", run(&c, runs.path(), 1).unwrap_err());
+    assert!(err.contains("/nonexistent/train-*"), "{err}");
+}
