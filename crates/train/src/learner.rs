@@ -43,6 +43,8 @@ use crate::sync::{
 type Train<B> = Autodiff<B>;
 type Optim<B> = OptimizerAdaptor<TfOptimizer, Ssd<Train<B>>, Train<B>>;
 type Recorder_ = NamedMpkBytesRecorder<FullPrecisionSettings>;
+/// `(step, network, EMA network)` of the last checkpoint.
+type Snapshot<B> = (u64, Ssd<B>, Option<Ssd<B>>);
 
 /// How a run is driven.
 #[derive(Debug, Clone)]
@@ -546,29 +548,28 @@ pub fn train<B: Backend>(
             Ok((dir, *model, ema_model))
         };
     // Evaluates the snapshot (its EMA weights when present), logs and records the metrics.
-    let evaluate_now =
-        |step: u64, snapshot: &Option<(u64, Ssd<B>, Option<Ssd<B>>)>| -> Result<Option<Metrics>> {
-            let (Some(eval_index), Some((_, model, ema))) = (&eval_index, snapshot) else {
-                return Ok(None);
-            };
-            let net = ema.as_ref().unwrap_or(model);
-            let results = run_on_dataset(
-                net,
-                &config.model,
-                eval_index,
-                config.eval.max_images,
-                config.eval.batch_size,
-                &devices[0],
-            )?;
-            let m = evaluate(&results, &class_names);
-            log(format!(
-                "eval at step {step}: VOC mAP@0.5 {:.4}, COCO AP {:.4}, AP50 {:.4}",
-                m.voc_mAP, m.AP, m.AP50
-            ));
-            write_metrics(json!({"step": step, "eval": m}))?;
-            Ok(Some(m))
+    let evaluate_now = |step: u64, snapshot: &Option<Snapshot<B>>| -> Result<Option<Metrics>> {
+        let (Some(eval_index), Some((_, model, ema))) = (&eval_index, snapshot) else {
+            return Ok(None);
         };
-    let mut last_snapshot: Option<(u64, Ssd<B>, Option<Ssd<B>>)> = None;
+        let net = ema.as_ref().unwrap_or(model);
+        let results = run_on_dataset(
+            net,
+            &config.model,
+            eval_index,
+            config.eval.max_images,
+            config.eval.batch_size,
+            &devices[0],
+        )?;
+        let m = evaluate(&results, &class_names);
+        log(format!(
+            "eval at step {step}: VOC mAP@0.5 {:.4}, COCO AP {:.4}, AP50 {:.4}",
+            m.voc_mAP, m.AP, m.AP50
+        ));
+        write_metrics(json!({"step": step, "eval": m}))?;
+        Ok(Some(m))
+    };
+    let mut last_snapshot: Option<Snapshot<B>> = None;
     let mut evaluated_at = u64::MAX;
 
     let num_steps = config.train.num_steps;
