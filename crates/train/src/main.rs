@@ -57,6 +57,9 @@ struct TrainArgs {
     /// Override `data.eval`.
     #[arg(long, num_args = 1..)]
     eval_data: Vec<String>,
+    /// Skip evaluation (benchmarks).
+    #[arg(long, conflicts_with = "eval_data")]
+    no_eval: bool,
 }
 
 #[derive(Subcommand)]
@@ -299,6 +302,9 @@ fn run_training(args: TrainArgs) -> Result<()> {
     }
     if !args.eval_data.is_empty() {
         config.data.eval = args.eval_data;
+    }
+    if args.no_eval {
+        config.data.eval.clear();
     }
     config.validate()?;
     if config.data.synthetic_if_missing && expand_patterns(&config.data.train).is_err() {
