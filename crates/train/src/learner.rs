@@ -37,7 +37,8 @@ use crate::eval::run_on_dataset;
 use crate::metrics::{Metrics, evaluate};
 use crate::optim::TfOptimizer;
 use crate::sync::{
-    GradientSync, InProcessAllReduce, bn_stats, flatten_gradients, global_norm, unflatten_gradients,
+    BnStats, GradientSync, InProcessAllReduce, bn_stats, flatten_gradients, global_norm,
+    mean_bn_stats, unflatten_gradients,
 };
 
 type Train<B> = Autodiff<B>;
@@ -98,7 +99,7 @@ enum Command<B: Backend> {
         step: u64,
     },
     BnStats,
-    SetBnStats(Vec<(Tensor<B, 1>, Tensor<B, 1>)>),
+    SetBnStats(BnStats<B>),
     Snapshot,
 }
 
@@ -107,7 +108,7 @@ enum Reply<B: Backend> {
         loss: LossValues,
         sync_seconds: f64,
     },
-    BnStats(Vec<(Tensor<B, 1>, Tensor<B, 1>)>),
+    BnStats(BnStats<B>),
     Snapshot {
         weights: Vec<u8>,
         optimizer: Vec<u8>,
@@ -461,27 +462,7 @@ pub fn train<B: Backend>(
                         _ => unreachable!("BnStats answers BnStats"),
                     })
                     .collect();
-                let averaged: Vec<_> = {
-                    let n = stats.len() as f64;
-                    (0..stats[0].len())
-                        .map(|k| {
-                            let dev = &devices[0];
-                            let mean = stats
-                                .iter()
-                                .map(|s| s[k].0.clone().to_device(dev))
-                                .reduce(|a, b| a + b)
-                                .expect("replicas")
-                                .div_scalar(n);
-                            let var = stats
-                                .iter()
-                                .map(|s| s[k].1.clone().to_device(dev))
-                                .reduce(|a, b| a + b)
-                                .expect("replicas")
-                                .div_scalar(n);
-                            (mean, var)
-                        })
-                        .collect()
-                };
+                let averaged = mean_bn_stats(&stats, &devices[0]);
                 broadcast(&mut |i| {
                     Command::SetBnStats(
                         averaged

@@ -254,22 +254,50 @@ pub fn trainable_ids(layout: &BucketLayout) -> Vec<ParamId> {
     layout.params.iter().map(|(id, _)| *id).collect()
 }
 
-/// Replaces the BatchNorm moving statistics of `model` by their mean over `all` replicas' stats.
-pub fn average_bn_stats<B: Backend>(model: &Ssd<B>, all: &[Vec<(Tensor<B, 1>, Tensor<B, 1>)>]) {
+/// BatchNorm moving statistics of one network: `(mean, variance)` per BatchNorm.
+pub type BnStats<B> = Vec<(Tensor<B, 1>, Tensor<B, 1>)>;
+
+/// The element-wise mean of several replicas' BatchNorm statistics, on `device`.
+pub fn mean_bn_stats<B: Backend>(all: &[BnStats<B>], device: &B::Device) -> BnStats<B> {
     let n = all.len() as f64;
-    for (i, bn) in model.batch_norms().into_iter().enumerate() {
-        let device = bn.gamma.val().device();
-        let (mut mean, mut var) = (bn.gamma.val().zeros_like(), bn.gamma.val().zeros_like());
-        for stats in all {
-            mean = mean + stats[i].0.clone().to_device(&device);
-            var = var + stats[i].1.clone().to_device(&device);
+    let mut sum: BnStats<B> = Vec::new();
+    for stats in all {
+        for (k, (mean, var)) in stats.iter().enumerate() {
+            let (mean, var) = (
+                mean.clone().to_device(device),
+                var.clone().to_device(device),
+            );
+            match sum.get_mut(k) {
+                Some(s) => *s = (s.0.clone() + mean, s.1.clone() + var),
+                None => sum.push((mean, var)),
+            }
         }
-        bn.set_moving_stats(mean.div_scalar(n), var.div_scalar(n));
+    }
+    sum.into_iter()
+        .map(|(m, v)| (m.div_scalar(n), v.div_scalar(n)))
+        .collect()
+}
+
+/// Replaces the BatchNorm moving statistics of `model` by their mean over `all` replicas' stats.
+pub fn average_bn_stats<B: Backend>(model: &Ssd<B>, all: &[BnStats<B>]) {
+    let Some(device) = model
+        .batch_norms()
+        .first()
+        .map(|bn| bn.gamma.val().device())
+    else {
+        return;
+    };
+    for (bn, (mean, var)) in model
+        .batch_norms()
+        .into_iter()
+        .zip(mean_bn_stats(all, &device))
+    {
+        bn.set_moving_stats(mean, var);
     }
 }
 
 /// The moving statistics of every BatchNorm of `model`.
-pub fn bn_stats<B: Backend>(model: &Ssd<B>) -> Vec<(Tensor<B, 1>, Tensor<B, 1>)> {
+pub fn bn_stats<B: Backend>(model: &Ssd<B>) -> BnStats<B> {
     model
         .batch_norms()
         .into_iter()
