@@ -12,7 +12,7 @@ use data::tfrecord::RecordIndex;
 use model::inference::postprocess;
 use model::preprocess::image_to_input;
 use model::{BBox, Ssd, SsdConfig};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::metrics::{DetBox, GtBox, ImageResult};
 
@@ -85,10 +85,6 @@ pub fn run_on_dataset<B: Backend>(
         }
     }
     Ok(results)
-}
-
-fn xywh(b: &BBox) -> [f32; 4] {
-    [b.xmin, b.ymin, b.width(), b.height()]
 }
 
 fn bbox_from(v: &Value, what: &str) -> Result<BBox> {
@@ -187,27 +183,4 @@ pub fn read_coco(
         });
     }
     Ok((images, categories.into_iter().map(|(_, n)| n).collect()))
-}
-
-/// Writes images as COCO ground truth and results (ids from 1), for pycocotools.
-pub fn to_coco(images: &[ImageResult], class_names: &[String]) -> (Value, Value) {
-    let mut annotations = Vec::new();
-    let mut results = Vec::new();
-    for (i, im) in images.iter().enumerate() {
-        for g in &im.ground_truth {
-            annotations.push(
-                json!({"id": annotations.len() + 1, "image_id": i + 1, "category_id": g.class_id,
-                "bbox": xywh(&g.bbox), "area": g.bbox.area(), "iscrowd": 0}),
-            );
-        }
-        for d in &im.detections {
-            results.push(json!({"image_id": i + 1, "category_id": d.class_id, "bbox": xywh(&d.bbox), "score": d.score}));
-        }
-    }
-    let gt = json!({
-        "images": (0..images.len()).map(|i| json!({"id": i + 1})).collect::<Vec<_>>(),
-        "annotations": annotations,
-        "categories": class_names.iter().enumerate().map(|(i, n)| json!({"id": i + 1, "name": n})).collect::<Vec<_>>(),
-    });
-    (gt, Value::Array(results))
 }

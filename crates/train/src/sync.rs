@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -303,11 +303,6 @@ pub fn bn_stats<B: Backend>(model: &Ssd<B>) -> BnStats<B> {
         .into_iter()
         .map(|bn| bn.moving_stats())
         .collect()
-}
-
-/// The inner-backend copy of a training replica.
-pub fn inference_copy<B: AutodiffBackend>(model: &Ssd<B>) -> Ssd<B::InnerBackend> {
-    model.valid()
 }
 
 #[cfg(test)]
