@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::boxes::BBox;
 use crate::config::SsdConfig;
 use crate::error::{ModelError, Result};
+use crate::ops::SsdBackend;
 use crate::postprocess::{RawDetection, multiclass_nms};
 use crate::preprocess::image_to_input;
 use crate::ssd::{Predictions, Ssd, anchors};
@@ -77,7 +78,7 @@ pub struct Detector<B: Backend> {
     device: B::Device,
 }
 
-impl<B: Backend> Detector<B> {
+impl<B: SsdBackend> Detector<B> {
     /// Wraps an existing network (for instance one just trained).
     pub fn new(config: SsdConfig, model: Ssd<B>, device: &B::Device) -> Result<Self> {
         config.validate()?;

@@ -5,13 +5,12 @@ use burn::module::{Module, Param, RunningState};
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::module::conv2d;
-use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Tensor, TensorData};
 use rand::Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 use crate::config::BatchNormConfig as BnSettings;
+use crate::ops::{SsdBackend, affine_relu6, batch_norm_relu6, conv_same};
 
 /// Shape and initialisation of one convolution.
 #[derive(Debug, Clone, Copy)]
@@ -71,11 +70,24 @@ impl ConvSpec {
     }
 }
 
+/// Applies a convolution made by [`ConvSpec::init`] (TF "SAME" padding, square kernel,
+/// depthwise when it has one group per input channel).
+pub(crate) fn apply_conv<B: SsdBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    conv_same(
+        x,
+        conv.weight.val(),
+        conv.bias.as_ref().map(|b| b.val()),
+        conv.stride[0],
+        conv.groups > 1,
+    )
+}
+
 /// BatchNorm as slim's (non-fused) `batch_norm` computes it: batch statistics with the biased
 /// variance in training, moving averages `m <- decay m + (1 - decay) v` of them for inference.
 ///
-/// The normalisation is applied as one per-channel affine map `x * s + t` (a 1x1 depthwise
-/// convolution), which CPU backends run far faster than four broadcast element-wise ops.
+/// Always followed by ReLU6 in this network, so the two run as one operation
+/// ([`SsdBackend::batch_norm_relu6`] in training, [`SsdBackend::affine_relu6`] with the moving
+/// averages folded into a per-channel affine map otherwise).
 #[derive(Module, Debug)]
 pub struct BatchNorm<B: Backend> {
     /// Scale (`gamma`).
@@ -117,51 +129,34 @@ impl<B: Backend> BatchNorm<B> {
         self.moving_variance.update(variance);
         self.moving_variance.value_sync();
     }
+}
 
-    /// Normalises `[batch, channels, h, w]`. Batch statistics (and a moving-average update)
-    /// when the backend records gradients, moving averages otherwise.
-    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [batch, channels, h, w] = x.dims();
+impl<B: SsdBackend> BatchNorm<B> {
+    /// Normalises `[batch, channels, h, w]` and applies ReLU6. Batch statistics (and a
+    /// moving-average update) when the backend records gradients, moving averages otherwise.
+    pub fn forward_relu6(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let device = x.device();
-        let (mean, variance) = if B::ad_enabled(&device) {
-            let count = (batch * h * w) as f64;
-            let mean = x
-                .clone()
-                .sum_dims(&[0, 2, 3])
-                .reshape([channels])
-                .div_scalar(count);
-            let mean_sq = x
-                .clone()
-                .square()
-                .sum_dims(&[0, 2, 3])
-                .reshape([channels])
-                .div_scalar(count);
-            let variance = (mean_sq - mean.clone().square()).clamp_min(0.0);
+        if B::ad_enabled(&device) {
+            let (y, mean, variance) =
+                batch_norm_relu6(x, self.gamma.val(), self.beta.val(), self.epsilon);
             let keep = self.decay;
-            let update = |state: &RunningState<Tensor<B, 1>>, batch_value: &Tensor<B, 1>| {
+            let update = |state: &RunningState<Tensor<B, 1>>, batch_value: Tensor<B, 1>| {
                 let moving = state.value_sync().to_device(&device);
                 state.update(
-                    (moving.mul_scalar(keep) + batch_value.clone().detach().mul_scalar(1.0 - keep))
+                    (moving.mul_scalar(keep) + batch_value.detach().mul_scalar(1.0 - keep))
                         .detach(),
                 );
             };
-            update(&self.moving_mean, &mean);
-            update(&self.moving_variance, &variance);
-            (mean, variance)
+            update(&self.moving_mean, mean);
+            update(&self.moving_variance, variance);
+            y
         } else {
-            (
-                self.moving_mean.value().to_device(&device),
-                self.moving_variance.value().to_device(&device),
-            )
-        };
-        let scale = self.gamma.val() / variance.add_scalar(self.epsilon).sqrt();
-        let shift = self.beta.val() - mean * scale.clone();
-        conv2d(
-            x,
-            scale.reshape([channels, 1, 1, 1]),
-            Some(shift),
-            ConvOptions::new([1, 1], [0, 0], [1, 1], channels),
-        )
+            let mean = self.moving_mean.value().to_device(&device);
+            let variance = self.moving_variance.value().to_device(&device);
+            let scale = self.gamma.val() / variance.add_scalar(self.epsilon).sqrt();
+            let shift = self.beta.val() - mean * scale.clone();
+            affine_relu6(x, scale, shift)
+        }
     }
 }
 
@@ -189,11 +184,13 @@ impl<B: Backend> ConvBnRelu6<B> {
         let bn = BatchNorm::new(spec.out_channels, bn, device);
         Self { conv, bn }
     }
+}
 
+impl<B: SsdBackend> ConvBnRelu6<B> {
     /// Applies the unit. BatchNorm uses batch statistics (and updates its moving averages)
     /// when the backend records gradients, and the moving averages otherwise.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        self.bn.forward(self.conv.forward(x)).clamp(0.0, 6.0)
+        self.bn.forward_relu6(apply_conv(&self.conv, x))
     }
 }
 
@@ -219,10 +216,13 @@ mod tests {
             TensorData::new(vec![1.0f32, 2.0, 3.0, 6.0], [1, 1, 2, 2]),
             &device,
         );
-        let y = bn.forward(x).into_data().to_vec::<f32>().unwrap();
+        let y = bn.forward_relu6(x).into_data().to_vec::<f32>().unwrap();
         let sd = (3.5f32 + 0.001).sqrt();
         for (got, v) in y.iter().zip([1.0f32, 2.0, 3.0, 6.0]) {
-            assert!((got - (v - 3.0) / sd).abs() < 1e-5, "{y:?}");
+            assert!(
+                (got - ((v - 3.0) / sd).clamp(0.0, 6.0)).abs() < 1e-5,
+                "{y:?}"
+            );
         }
         // moving averages: 0.9 * 0 + 0.1 * 3 and 0.9 * 1 + 0.1 * 3.5
         let mean = bn.moving_mean.value_sync().into_scalar();
@@ -235,7 +235,7 @@ mod tests {
         let inner = burn::module::AutodiffModule::valid(&bn);
         let x =
             Tensor::<Flex, 4>::from_data(TensorData::new(vec![0.3f32; 4], [1, 1, 2, 2]), &device);
-        let y = inner.forward(x).into_data().to_vec::<f32>().unwrap();
+        let y = inner.forward_relu6(x).into_data().to_vec::<f32>().unwrap();
         assert!(y.iter().all(|v| v.abs() < 1e-6), "{y:?}");
     }
 
@@ -255,7 +255,7 @@ mod tests {
         };
         let mut conv = spec.init::<Flex>(&mut StdRng::seed_from_u64(0), &device);
         conv.weight = Param::from_tensor(Tensor::ones([1, 1, 3, 3], &device));
-        let out = conv.forward(Tensor::ones([1, 1, 4, 4], &device));
+        let out = apply_conv(&conv, Tensor::ones([1, 1, 4, 4], &device));
         let values = out.into_data().to_vec::<f32>().unwrap();
         // top-left window covers rows/cols 0..3 of the image: 9 ones; bottom-right window
         // covers rows/cols 2, 3 and one padded row/column: 4 ones.

@@ -28,6 +28,7 @@ pub mod inference;
 mod layers;
 pub mod loss;
 pub mod mobilenet;
+pub mod ops;
 pub mod postprocess;
 pub mod preprocess;
 pub mod ssd;

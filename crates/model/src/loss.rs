@@ -8,6 +8,7 @@ use burn::tensor::{Tensor, TensorData};
 use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::{HardExampleMinerConfig, LossConfig, MinerLossType, SsdConfig};
+use crate::ops::SsdBackend;
 use crate::postprocess::non_max_suppression;
 use crate::ssd::{Predictions, Ssd};
 use crate::targets::{ImageTargets, Match};
@@ -224,7 +225,7 @@ fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 }
 
 /// Full loss of a batch: forward pass, detection loss and L2 regularisation.
-pub fn compute_loss<B: Backend>(
+pub fn compute_loss<B: SsdBackend>(
     model: &Ssd<B>,
     config: &SsdConfig,
     anchors: &[BBox],

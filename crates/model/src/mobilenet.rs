@@ -7,6 +7,7 @@ use rand::Rng;
 
 use crate::config::SsdConfig;
 use crate::layers::{ConvBnRelu6, ConvSpec};
+use crate::ops::SsdBackend;
 
 /// `(stride, nominal depth)` of the 13 depthwise-separable blocks (`MOBILENETV1_CONV_DEFS`).
 pub const SEPARABLE_BLOCKS: [(usize, usize); 13] = [
@@ -107,6 +108,20 @@ impl<B: Backend> MobileNetV1<B> {
         Self { conv0, blocks }
     }
 
+    /// Every convolution kernel of the backbone.
+    pub(crate) fn conv_weights(&self) -> Vec<Tensor<B, 4>> {
+        std::iter::once(&self.conv0)
+            .chain(
+                self.blocks
+                    .iter()
+                    .flat_map(|b| [&b.depthwise, &b.pointwise]),
+            )
+            .map(|u| u.conv.weight.val())
+            .collect()
+    }
+}
+
+impl<B: SsdBackend> MobileNetV1<B> {
     /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations.
     pub fn forward(&self, x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let mut x = self.conv0.forward(x);
@@ -119,17 +134,5 @@ impl<B: Backend> MobileNetV1<B> {
         }
         let conv11 = conv11.expect("MobileNet-v1 always has 13 blocks");
         (conv11, x)
-    }
-
-    /// Every convolution kernel of the backbone.
-    pub(crate) fn conv_weights(&self) -> Vec<Tensor<B, 4>> {
-        std::iter::once(&self.conv0)
-            .chain(
-                self.blocks
-                    .iter()
-                    .flat_map(|b| [&b.depthwise, &b.pointwise]),
-            )
-            .map(|u| u.conv.weight.val())
-            .collect()
     }
 }

@@ -13,8 +13,9 @@ use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::SsdConfig;
 use crate::error::Result;
-use crate::layers::{BatchNorm, ConvBnRelu6, ConvSpec};
+use crate::layers::{BatchNorm, ConvBnRelu6, ConvSpec, apply_conv};
 use crate::mobilenet::{MobileNetV1, SEPARABLE_BLOCKS};
+use crate::ops::SsdBackend;
 
 /// Nominal depths of the four extra feature maps (`layer_depth` of the feature map layout).
 pub const EXTRA_LAYER_DEPTHS: [usize; 4] = [512, 256, 256, 128];
@@ -150,12 +151,7 @@ fn flatten_head<B: Backend>(x: Tensor<B, 4>, k: usize) -> Tensor<B, 3> {
     x.permute([0, 2, 3, 1]).reshape([b, h * w * (c / k), k])
 }
 
-impl<B: Backend> Ssd<B> {
-    /// Number of object classes (without background).
-    pub fn num_classes(&self) -> usize {
-        self.num_classes
-    }
-
+impl<B: SsdBackend> Ssd<B> {
     /// The six feature maps for a `[batch, 3, height, width]` input in `[-1, 1]`.
     pub fn feature_maps(&self, images: Tensor<B, 4>) -> Vec<Tensor<B, 4>> {
         let (conv11, conv13) = self.backbone.forward(images);
@@ -175,11 +171,11 @@ impl<B: Backend> Ssd<B> {
         for ((map, box_head), class_head) in maps.iter().zip(&self.box_heads).zip(&self.class_heads)
         {
             boxes.push(flatten_head(
-                box_head.forward(map.clone()),
+                apply_conv(box_head, map.clone()),
                 BoxCoder::CODE_SIZE,
             ));
             classes.push(flatten_head(
-                class_head.forward(map.clone()),
+                apply_conv(class_head, map.clone()),
                 self.num_classes + 1,
             ));
         }
@@ -187,6 +183,13 @@ impl<B: Backend> Ssd<B> {
             box_encodings: Tensor::cat(boxes, 1),
             class_logits: Tensor::cat(classes, 1),
         }
+    }
+}
+
+impl<B: Backend> Ssd<B> {
+    /// Number of object classes (without background).
+    pub fn num_classes(&self) -> usize {
+        self.num_classes
     }
 
     /// Every convolution kernel, backbone first, then extra layers, then predictor heads.

@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use data::DetectionExample;
 use data::tfrecord::RecordIndex;
 use model::inference::postprocess;
+use model::ops::SsdBackend;
 use model::preprocess::image_to_input;
 use model::{BBox, Ssd, SsdConfig};
 use serde_json::Value;
@@ -18,7 +18,7 @@ use crate::metrics::{DetBox, GtBox, ImageResult};
 
 /// Detects on the first `max_images` records (0: all) and pairs the results with the ground
 /// truth, both in pixels of the original images.
-pub fn run_on_dataset<B: Backend>(
+pub fn run_on_dataset<B: SsdBackend>(
     net: &Ssd<B>,
     config: &SsdConfig,
     index: &RecordIndex,

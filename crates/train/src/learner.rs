@@ -24,6 +24,7 @@ use data::loader::{Batch, Loader, LoaderConfig, Position};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
 use model::loss::compute_loss;
+use model::ops::SsdBackend;
 use model::targets::assign_targets;
 use model::weights::{backbone_from_bytes, load_weights, weights_from_bytes, weights_to_bytes};
 use model::{BBox, Ssd};
@@ -137,7 +138,7 @@ fn panic_message(e: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "panic".into())
 }
 
-impl<B: Backend> Replica<B> {
+impl<B: SsdBackend> Replica<B> {
     fn step(&mut self, batch: Batch, learning_rate: f64, step: u64) -> Result<Reply<B>, String> {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
@@ -299,7 +300,7 @@ fn starting_point<B: Backend>(
 }
 
 /// Trains `config` on `devices` (one replica each; repeat a device for several replicas).
-pub fn train<B: Backend>(
+pub fn train<B: SsdBackend>(
     config: &TrainConfig,
     devices: &[B::Device],
     options: &RunOptions,

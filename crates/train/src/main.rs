@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result, bail};
 use burn::backend::Flex;
-use burn::tensor::backend::Backend;
 use clap::{Parser, Subcommand};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
+use model::ops::SsdBackend;
 use train::config::TrainConfig;
 use train::eval::{read_coco, run_on_dataset};
 use train::learner::{RunOptions, train};
@@ -246,7 +246,7 @@ fn eval_checkpoint(dir: &Path, config: &Path, data: &[String], device: &str) -> 
     let names: Vec<String> = (1..=config.model.num_classes)
         .map(|i| config.model.class_name(i))
         .collect();
-    fn run<B: Backend>(
+    fn run<B: SsdBackend>(
         config: &TrainConfig,
         weights: &Path,
         index: &RecordIndex,

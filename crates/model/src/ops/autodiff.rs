@@ -1,0 +1,172 @@
+//! [`SsdBackend`] for `Autodiff<B>`: each operation is one graph node whose backward pass is
+//! the inner backend's backward operation.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+
+use super::{BatchNormOutput, SsdBackend};
+
+/// What a convolution's backward pass needs: input, filters, stride, depthwise.
+type ConvState<B> = (FloatTensor<B>, FloatTensor<B>, usize, bool);
+
+#[derive(Debug)]
+struct ConvSame;
+
+impl<B: SsdBackend> Backward<B, 3> for ConvSame {
+    type State = ConvState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_weight, node_bias] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, weight, stride, depthwise) = ops.state;
+        let out = B::conv_same_backward(x, weight, grad, stride, depthwise);
+        for (node, value) in [
+            (node_x, out.x),
+            (node_weight, out.weight),
+            (node_bias, out.bias),
+        ] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, value);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct ConvSameNoBias;
+
+impl<B: SsdBackend> Backward<B, 2> for ConvSameNoBias {
+    type State = ConvState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_weight] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, weight, stride, depthwise) = ops.state;
+        let out = B::conv_same_backward(x, weight, grad, stride, depthwise);
+        for (node, value) in [(node_x, out.x), (node_weight, out.weight)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, value);
+            }
+        }
+    }
+}
+
+/// Input, output, gamma, mean, variance and epsilon of a BatchNorm + ReLU6.
+type BatchNormState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    f64,
+);
+
+#[derive(Debug)]
+struct BatchNormRelu6;
+
+impl<B: SsdBackend> Backward<B, 3> for BatchNormRelu6 {
+    type State = BatchNormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_gamma, node_beta] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, y, gamma, mean, variance, epsilon) = ops.state;
+        let out = B::batch_norm_relu6_backward(x, y, grad, gamma, mean, variance, epsilon);
+        for (node, value) in [
+            (node_x, out.x),
+            (node_gamma, out.gamma),
+            (node_beta, out.beta),
+        ] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, value);
+            }
+        }
+    }
+}
+
+impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
+    fn conv_same(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        stride: usize,
+        depthwise: bool,
+    ) -> FloatTensor<Self> {
+        let state = (
+            x.primitive.clone(),
+            weight.primitive.clone(),
+            stride,
+            depthwise,
+        );
+        match bias {
+            Some(bias) => {
+                let out = B::conv_same(
+                    x.primitive,
+                    weight.primitive,
+                    Some(bias.primitive),
+                    stride,
+                    depthwise,
+                );
+                match ConvSame
+                    .prepare::<C>([x.node, weight.node, bias.node])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(state, out),
+                    OpsKind::UnTracked(prep) => prep.finish(out),
+                }
+            }
+            None => {
+                let out = B::conv_same(x.primitive, weight.primitive, None, stride, depthwise);
+                match ConvSameNoBias
+                    .prepare::<C>([x.node, weight.node])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(state, out),
+                    OpsKind::UnTracked(prep) => prep.finish(out),
+                }
+            }
+        }
+    }
+
+    fn batch_norm_relu6(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> BatchNormOutput<Self> {
+        let inner = B::batch_norm_relu6(
+            x.primitive.clone(),
+            gamma.primitive.clone(),
+            beta.primitive,
+            epsilon,
+        );
+        let state = (
+            x.primitive,
+            inner.y.clone(),
+            gamma.primitive,
+            inner.mean.clone(),
+            inner.variance.clone(),
+            epsilon,
+        );
+        let y = match BatchNormRelu6
+            .prepare::<C>([x.node, gamma.node, beta.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, inner.y),
+            OpsKind::UnTracked(prep) => prep.finish(inner.y),
+        };
+        BatchNormOutput {
+            y,
+            mean: Self::from_inner(inner.mean),
+            variance: Self::from_inner(inner.variance),
+        }
+    }
+}

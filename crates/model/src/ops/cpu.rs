@@ -1,0 +1,524 @@
+//! CPU kernels for the network's layers on contiguous NCHW `f32` buffers: TF-"SAME"
+//! convolutions (dense through im2col + GEMM, depthwise directly) and training-mode
+//! BatchNorm + ReLU6, each with its backward pass. Work is split over rayon's pool.
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// Output size and leading padding of TF "SAME" along one axis: `out = ceil(size / stride)`,
+/// total padding `max((out - 1) * stride + kernel - size, 0)`, the smaller half first.
+pub fn same_padding(size: usize, kernel: usize, stride: usize) -> (usize, usize) {
+    let out = size.div_ceil(stride);
+    let total = ((out.saturating_sub(1)) * stride + kernel).saturating_sub(size);
+    (out, total / 2)
+}
+
+/// Geometry of one convolution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv {
+    pub batch: usize,
+    pub in_channels: usize,
+    pub height: usize,
+    pub width: usize,
+    pub out_channels: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub out_height: usize,
+    pub out_width: usize,
+    pub pad_top: usize,
+    pub pad_left: usize,
+}
+
+impl Conv {
+    /// The geometry of a SAME convolution of `[batch, in_channels, height, width]` by a
+    /// `kernel x kernel` filter bank with `out_channels` outputs.
+    pub fn same(
+        [batch, in_channels, height, width]: [usize; 4],
+        out_channels: usize,
+        kernel: usize,
+        stride: usize,
+    ) -> Self {
+        let (out_height, pad_top) = same_padding(height, kernel, stride);
+        let (out_width, pad_left) = same_padding(width, kernel, stride);
+        Self {
+            batch,
+            in_channels,
+            height,
+            width,
+            out_channels,
+            kernel,
+            stride,
+            out_height,
+            out_width,
+            pad_top,
+            pad_left,
+        }
+    }
+
+    fn in_plane(&self) -> usize {
+        self.height * self.width
+    }
+
+    fn out_plane(&self) -> usize {
+        self.out_height * self.out_width
+    }
+
+    /// Rows of the im2col matrix: one per (input channel, kernel row, kernel column).
+    fn patch(&self) -> usize {
+        self.in_channels * self.kernel * self.kernel
+    }
+
+    /// A 1x1 stride-1 convolution reads its input as the im2col matrix itself.
+    fn is_pointwise(&self) -> bool {
+        self.kernel == 1 && self.stride == 1
+    }
+
+    /// Output columns `lo..hi` whose input column `ox * stride + kx - pad_left` is inside
+    /// the image.
+    fn valid_columns(&self, kx: usize) -> (usize, usize) {
+        valid_range(self.out_width, self.width, self.stride, kx, self.pad_left)
+    }
+
+    /// The input row read by output row `oy` at kernel row `ky`, if inside the image.
+    fn input_row(&self, oy: usize, ky: usize) -> Option<usize> {
+        (oy * self.stride + ky)
+            .checked_sub(self.pad_top)
+            .filter(|&iy| iy < self.height)
+    }
+}
+
+/// Outputs `o` in `0..out` with `o * stride + k - pad` in `0..size`, as a range.
+fn valid_range(out: usize, size: usize, stride: usize, k: usize, pad: usize) -> (usize, usize) {
+    let lo = pad.saturating_sub(k).div_ceil(stride);
+    let hi = if size + pad > k {
+        ((size + pad - k - 1) / stride + 1).min(out)
+    } else {
+        0
+    };
+    (lo.min(hi), hi)
+}
+
+/// Row-major matrix product `dst (m x n) (+)= a (m x k) * b (k x n)`, where `a` and `b` may
+/// be stored transposed.
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    dst: &mut [f32],
+    a: &[f32],
+    a_transposed: bool,
+    b: &[f32],
+    b_transposed: bool,
+    [m, n, k]: [usize; 3],
+    accumulate: bool,
+) {
+    assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
+    // (row stride, column stride) of each operand
+    let (a_rs, a_cs) = if a_transposed { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if b_transposed { (1, k) } else { (n, 1) };
+    let parallelism = if m * n * k >= 1 << 18 {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the assertion above keeps every element the strides address inside the slices,
+    // and `dst` is borrowed mutably so it aliases neither operand.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// Unfolds one image `[in_channels, h, w]` into `cols [patch, out_plane]` (zeros in the
+/// padding).
+fn im2col(g: &Conv, image: &[f32], cols: &mut [f32]) {
+    let k = g.kernel;
+    cols.par_chunks_mut(g.out_plane())
+        .enumerate()
+        .for_each(|(row, col)| {
+            let (c, ky, kx) = (row / (k * k), (row / k) % k, row % k);
+            let plane = &image[c * g.in_plane()..][..g.in_plane()];
+            let (lo, hi) = g.valid_columns(kx);
+            for oy in 0..g.out_height {
+                let out = &mut col[oy * g.out_width..][..g.out_width];
+                match g.input_row(oy, ky) {
+                    None => out.fill(0.0),
+                    Some(iy) => {
+                        let src = &plane[iy * g.width..][..g.width];
+                        out[..lo].fill(0.0);
+                        out[hi..].fill(0.0);
+                        for (ox, v) in out[lo..hi].iter_mut().enumerate() {
+                            *v = src[(ox + lo) * g.stride + kx - g.pad_left];
+                        }
+                    }
+                }
+            }
+        });
+}
+
+/// Folds `cols [patch, out_plane]` back onto one image `[in_channels, h, w]`, summing
+/// overlaps (the adjoint of [`im2col`]).
+fn col2im(g: &Conv, cols: &[f32], image: &mut [f32]) {
+    let k = g.kernel;
+    image
+        .par_chunks_mut(g.in_plane())
+        .enumerate()
+        .for_each(|(c, plane)| {
+            plane.fill(0.0);
+            for ky in 0..k {
+                for kx in 0..k {
+                    let col = &cols[((c * k + ky) * k + kx) * g.out_plane()..][..g.out_plane()];
+                    let (lo, hi) = g.valid_columns(kx);
+                    for oy in 0..g.out_height {
+                        if let Some(iy) = g.input_row(oy, ky) {
+                            let dst = &mut plane[iy * g.width..][..g.width];
+                            let src = &col[oy * g.out_width..][..g.out_width];
+                            for ox in lo..hi {
+                                dst[ox * g.stride + kx - g.pad_left] += src[ox];
+                            }
+                        }
+                    }
+                }
+            }
+        });
+}
+
+/// Dense convolution: `x [batch, in, h, w]`, `weight [out, in, k, k]`, optional `bias [out]`.
+pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
+    let mut y = vec![0.0f32; g.batch * g.out_channels * g.out_plane()];
+    let mut cols = vec![
+        0.0f32;
+        if g.is_pointwise() {
+            0
+        } else {
+            g.patch() * g.out_plane()
+        }
+    ];
+    for b in 0..g.batch {
+        let image = &x[b * g.in_channels * g.in_plane()..][..g.in_channels * g.in_plane()];
+        let cols: &[f32] = if g.is_pointwise() {
+            image
+        } else {
+            im2col(g, image, &mut cols);
+            &cols
+        };
+        let out = &mut y[b * g.out_channels * g.out_plane()..][..g.out_channels * g.out_plane()];
+        matmul(
+            out,
+            weight,
+            false,
+            cols,
+            false,
+            [g.out_channels, g.out_plane(), g.patch()],
+            false,
+        );
+        if let Some(bias) = bias {
+            for (plane, &v) in out.chunks_mut(g.out_plane()).zip(bias) {
+                plane.iter_mut().for_each(|o| *o += v);
+            }
+        }
+    }
+    y
+}
+
+/// Gradients of a dense convolution.
+pub struct ConvGrads {
+    pub x: Vec<f32>,
+    pub weight: Vec<f32>,
+    /// Per output channel sum of the output gradient.
+    pub bias: Vec<f32>,
+}
+
+/// Backward pass of [`conv_forward`] given the output gradient `dy`.
+pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> ConvGrads {
+    let mut dx = vec![0.0f32; x.len()];
+    let mut dw = vec![0.0f32; weight.len()];
+    let mut cols = vec![
+        0.0f32;
+        if g.is_pointwise() {
+            0
+        } else {
+            g.patch() * g.out_plane()
+        }
+    ];
+    let mut dcols = cols.clone();
+    let image_len = g.in_channels * g.in_plane();
+    let out_len = g.out_channels * g.out_plane();
+    for b in 0..g.batch {
+        let image = &x[b * image_len..][..image_len];
+        let grad = &dy[b * out_len..][..out_len];
+        let cols: &[f32] = if g.is_pointwise() {
+            image
+        } else {
+            im2col(g, image, &mut cols);
+            &cols
+        };
+        // dW (out x patch) += dY (out x plane) * cols^T (plane x patch)
+        matmul(
+            &mut dw,
+            grad,
+            false,
+            cols,
+            true,
+            [g.out_channels, g.patch(), g.out_plane()],
+            b > 0,
+        );
+        // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
+        let dimage = &mut dx[b * image_len..][..image_len];
+        let target: &mut [f32] = if g.is_pointwise() { dimage } else { &mut dcols };
+        matmul(
+            target,
+            weight,
+            true,
+            grad,
+            false,
+            [g.patch(), g.out_plane(), g.out_channels],
+            false,
+        );
+        if !g.is_pointwise() {
+            col2im(g, &dcols, &mut dx[b * image_len..][..image_len]);
+        }
+    }
+    let mut bias = vec![0.0f32; g.out_channels];
+    for image in dy.chunks(out_len) {
+        for (sum, plane) in bias.iter_mut().zip(image.chunks(g.out_plane())) {
+            *sum += plane.iter().sum::<f32>();
+        }
+    }
+    ConvGrads {
+        x: dx,
+        weight: dw,
+        bias,
+    }
+}
+
+/// Depthwise convolution (`in_channels == out_channels`, one `k x k` filter per channel):
+/// `x [batch, c, h, w]`, `weight [c, 1, k, k]`.
+pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
+    let c = g.in_channels;
+    let kk = g.kernel * g.kernel;
+    let mut y = vec![0.0f32; g.batch * c * g.out_plane()];
+    y.par_chunks_mut(g.out_plane())
+        .enumerate()
+        .for_each(|(p, out)| {
+            let plane = &x[p * g.in_plane()..][..g.in_plane()];
+            let filter = &weight[(p % c) * kk..][..kk];
+            for oy in 0..g.out_height {
+                let row = &mut out[oy * g.out_width..][..g.out_width];
+                for ky in 0..g.kernel {
+                    let Some(iy) = g.input_row(oy, ky) else {
+                        continue;
+                    };
+                    let src = &plane[iy * g.width..][..g.width];
+                    for kx in 0..g.kernel {
+                        let w = filter[ky * g.kernel + kx];
+                        let (lo, hi) = g.valid_columns(kx);
+                        if g.stride == 1 {
+                            let src = &src[lo + kx - g.pad_left..][..hi - lo];
+                            for (o, &v) in row[lo..hi].iter_mut().zip(src) {
+                                *o += w * v;
+                            }
+                        } else {
+                            for ox in lo..hi {
+                                row[ox] += w * src[ox * g.stride + kx - g.pad_left];
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    y
+}
+
+/// Backward pass of [`depthwise_forward`]: `(dx, dweight)`.
+pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let c = g.in_channels;
+    let k = g.kernel;
+    let kk = k * k;
+    let mut dx = vec![0.0f32; x.len()];
+    dx.par_chunks_mut(g.in_plane())
+        .enumerate()
+        .for_each(|(p, dplane)| {
+            let grad = &dy[p * g.out_plane()..][..g.out_plane()];
+            let filter = &weight[(p % c) * kk..][..kk];
+            for oy in 0..g.out_height {
+                let grow = &grad[oy * g.out_width..][..g.out_width];
+                for ky in 0..k {
+                    let Some(iy) = g.input_row(oy, ky) else {
+                        continue;
+                    };
+                    let dst = &mut dplane[iy * g.width..][..g.width];
+                    for kx in 0..k {
+                        let w = filter[ky * k + kx];
+                        let (lo, hi) = g.valid_columns(kx);
+                        for ox in lo..hi {
+                            dst[ox * g.stride + kx - g.pad_left] += w * grow[ox];
+                        }
+                    }
+                }
+            }
+        });
+    let mut dw = vec![0.0f32; weight.len()];
+    dw.par_chunks_mut(kk).enumerate().for_each(|(ch, dfilter)| {
+        for b in 0..g.batch {
+            let p = b * c + ch;
+            let plane = &x[p * g.in_plane()..][..g.in_plane()];
+            let grad = &dy[p * g.out_plane()..][..g.out_plane()];
+            for oy in 0..g.out_height {
+                let grow = &grad[oy * g.out_width..][..g.out_width];
+                for ky in 0..k {
+                    let Some(iy) = g.input_row(oy, ky) else {
+                        continue;
+                    };
+                    let src = &plane[iy * g.width..][..g.width];
+                    for kx in 0..k {
+                        let (lo, hi) = g.valid_columns(kx);
+                        let mut acc = 0.0f32;
+                        for ox in lo..hi {
+                            acc += grow[ox] * src[ox * g.stride + kx - g.pad_left];
+                        }
+                        dfilter[ky * k + kx] += acc;
+                    }
+                }
+            }
+        }
+    });
+    (dx, dw)
+}
+
+/// Per-channel statistics of `[batch, channels, plane]` data: the mean and the biased
+/// variance, accumulated in `f64`.
+pub fn channel_moments(x: &[f32], batch: usize, channels: usize) -> (Vec<f32>, Vec<f32>) {
+    let plane = x.len() / (batch * channels).max(1);
+    let count = (batch * plane) as f64;
+    (0..channels)
+        .into_par_iter()
+        .map(|c| {
+            let planes = || (0..batch).map(|b| &x[(b * channels + c) * plane..][..plane]);
+            let mean = planes()
+                .map(|p| p.iter().map(|&v| v as f64).sum::<f64>())
+                .sum::<f64>()
+                / count;
+            let var = planes()
+                .map(|p| p.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>())
+                .sum::<f64>()
+                / count;
+            (mean as f32, var as f32)
+        })
+        .unzip()
+}
+
+/// `y = clamp(x * scale[c] + shift[c], 0, 6)` over `[batch, channels, plane]` data.
+pub fn affine_relu6(x: &[f32], plane: usize, scale: &[f32], shift: &[f32]) -> Vec<f32> {
+    let channels = scale.len();
+    let mut y = vec![0.0f32; x.len()];
+    y.par_chunks_mut(plane.max(1))
+        .zip(x.par_chunks(plane.max(1)))
+        .enumerate()
+        .for_each(|(p, (out, src))| {
+            let (s, t) = (scale[p % channels], shift[p % channels]);
+            for (o, &v) in out.iter_mut().zip(src) {
+                *o = (v * s + t).clamp(0.0, 6.0);
+            }
+        });
+    y
+}
+
+/// Training-mode BatchNorm followed by ReLU6 over `[batch, channels, plane]` data:
+/// `(y, mean, variance)` with the batch mean and biased variance.
+pub fn batch_norm_relu6(
+    x: &[f32],
+    [batch, plane]: [usize; 2],
+    gamma: &[f32],
+    beta: &[f32],
+    epsilon: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (mean, var) = channel_moments(x, batch, gamma.len());
+    let scale: Vec<f32> = gamma
+        .iter()
+        .zip(&var)
+        .map(|(g, v)| g / (v + epsilon).sqrt())
+        .collect();
+    let shift: Vec<f32> = beta
+        .iter()
+        .zip(&mean)
+        .zip(&scale)
+        .map(|((b, m), s)| b - m * s)
+        .collect();
+    (affine_relu6(x, plane, &scale, &shift), mean, var)
+}
+
+/// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`. The ReLU6 passes gradient where
+/// its input was strictly inside `(0, 6)` (TF's `Relu6Grad`), read off the output `y`.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_relu6_backward(
+    x: &[f32],
+    y: &[f32],
+    dy: &[f32],
+    [batch, plane]: [usize; 2],
+    gamma: &[f32],
+    mean: &[f32],
+    variance: &[f32],
+    epsilon: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let channels = gamma.len();
+    let inv_std: Vec<f32> = variance
+        .iter()
+        .map(|v| 1.0 / (v + epsilon).sqrt())
+        .collect();
+    let passes = |v: f32| v > 0.0 && v < 6.0;
+    let (dgamma, dbeta): (Vec<f32>, Vec<f32>) = (0..channels)
+        .into_par_iter()
+        .map(|c| {
+            let (mut sum_dz_xhat, mut sum_dz) = (0.0f64, 0.0f64);
+            for b in 0..batch {
+                let at = (b * channels + c) * plane;
+                let (xs, ys, gs) = (&x[at..][..plane], &y[at..][..plane], &dy[at..][..plane]);
+                let (mut a, mut s) = (0.0f32, 0.0f32);
+                for ((&xv, &yv), &g) in xs.iter().zip(ys).zip(gs) {
+                    let dz = if passes(yv) { g } else { 0.0 };
+                    s += dz;
+                    a += dz * (xv - mean[c]);
+                }
+                sum_dz += s as f64;
+                sum_dz_xhat += a as f64 * inv_std[c] as f64;
+            }
+            (sum_dz_xhat as f32, sum_dz as f32)
+        })
+        .unzip();
+    let count = (batch * plane) as f32;
+    let mut dx = vec![0.0f32; x.len()];
+    dx.par_chunks_mut(plane.max(1))
+        .enumerate()
+        .for_each(|(p, out)| {
+            let c = p % channels;
+            let at = p * plane;
+            let (xs, ys, gs) = (&x[at..][..plane], &y[at..][..plane], &dy[at..][..plane]);
+            let k = gamma[c] * inv_std[c];
+            let mean_dz = dbeta[c] / count;
+            let mean_dz_xhat = dgamma[c] / count;
+            for (((o, &xv), &yv), &g) in out.iter_mut().zip(xs).zip(ys).zip(gs) {
+                let dz = if passes(yv) { g } else { 0.0 };
+                let xhat = (xv - mean[c]) * inv_std[c];
+                *o = k * (dz - mean_dz - xhat * mean_dz_xhat);
+            }
+        });
+    (dx, dgamma, dbeta)
+}

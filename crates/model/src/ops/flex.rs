@@ -1,0 +1,178 @@
+//! [`SsdBackend`] for burn-flex: `f32` tensors go to the [`cpu`] kernels, other float types
+//! to the [`reference`] operations.
+
+use burn::backend::Flex;
+use burn::backend::flex::FlexTensor;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
+
+use super::cpu::{self, Conv};
+use super::{BatchNormGrads, BatchNormOutput, ConvGrads, SsdBackend, reference};
+
+/// Contiguous `f32` view of a tensor (copied only when it is strided).
+fn contiguous(t: &FlexTensor) -> FlexTensor {
+    t.to_contiguous()
+}
+
+fn values(t: &FlexTensor) -> &[f32] {
+    t.as_slice::<f32>()
+        .expect("an f32 tensor made contiguous has a contiguous f32 slice")
+}
+
+fn output(values: Vec<f32>, shape: impl Into<Shape>) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape.into()))
+}
+
+fn all_f32(tensors: &[&FlexTensor]) -> bool {
+    tensors.iter().all(|t| t.dtype() == DType::F32)
+}
+
+fn geometry(x: &FlexTensor, weight: &FlexTensor, stride: usize) -> Conv {
+    let [out_channels, _, kernel, _] = weight.shape().dims();
+    Conv::same(x.shape().dims(), out_channels, kernel, stride)
+}
+
+impl SsdBackend for Flex {
+    fn conv_same(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        stride: usize,
+        depthwise: bool,
+    ) -> FloatTensor<Self> {
+        if !all_f32(&[&x, &weight]) || bias.as_ref().is_some_and(|b| b.dtype() != DType::F32) {
+            return reference::conv_same::<Self>(x, weight, bias, stride, depthwise);
+        }
+        let g = geometry(&x, &weight, stride);
+        let (x, weight) = (contiguous(&x), contiguous(&weight));
+        let bias = bias.map(|b| contiguous(&b));
+        let shape = [g.batch, g.out_channels, g.out_height, g.out_width];
+        if depthwise {
+            let mut y = cpu::depthwise_forward(&g, values(&x), values(&weight));
+            if let Some(bias) = &bias {
+                let plane = g.out_height * g.out_width;
+                for (p, out) in y.chunks_mut(plane).enumerate() {
+                    let v = values(bias)[p % g.out_channels];
+                    out.iter_mut().for_each(|o| *o += v);
+                }
+            }
+            output(y, shape)
+        } else {
+            let y = cpu::conv_forward(&g, values(&x), values(&weight), bias.as_ref().map(values));
+            output(y, shape)
+        }
+    }
+
+    fn conv_same_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        stride: usize,
+        depthwise: bool,
+    ) -> ConvGrads<Self> {
+        if !all_f32(&[&x, &weight, &grad]) {
+            return reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise);
+        }
+        let g = geometry(&x, &weight, stride);
+        let (x_shape, w_shape) = (x.shape(), weight.shape());
+        let (x, weight, grad) = (contiguous(&x), contiguous(&weight), contiguous(&grad));
+        if depthwise {
+            let (dx, dw) = cpu::depthwise_backward(&g, values(&x), values(&weight), values(&grad));
+            let plane = g.out_height * g.out_width;
+            let mut db = vec![0.0f32; g.out_channels];
+            for (p, chunk) in values(&grad).chunks(plane).enumerate() {
+                db[p % g.out_channels] += chunk.iter().sum::<f32>();
+            }
+            ConvGrads {
+                x: output(dx, x_shape),
+                weight: output(dw, w_shape),
+                bias: output(db, [g.out_channels]),
+            }
+        } else {
+            let grads = cpu::conv_backward(&g, values(&x), values(&weight), values(&grad));
+            ConvGrads {
+                x: output(grads.x, x_shape),
+                weight: output(grads.weight, w_shape),
+                bias: output(grads.bias, [g.out_channels]),
+            }
+        }
+    }
+
+    fn batch_norm_relu6(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> BatchNormOutput<Self> {
+        if !all_f32(&[&x, &gamma, &beta]) {
+            return reference::batch_norm_relu6::<Self>(x, gamma, beta, epsilon);
+        }
+        let shape = x.shape();
+        let [batch, channels, h, w] = shape.dims();
+        let (x, gamma, beta) = (contiguous(&x), contiguous(&gamma), contiguous(&beta));
+        let (y, mean, variance) = cpu::batch_norm_relu6(
+            values(&x),
+            [batch, h * w],
+            values(&gamma),
+            values(&beta),
+            epsilon as f32,
+        );
+        BatchNormOutput {
+            y: output(y, shape),
+            mean: output(mean, [channels]),
+            variance: output(variance, [channels]),
+        }
+    }
+
+    fn batch_norm_relu6_backward(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> BatchNormGrads<Self> {
+        if !all_f32(&[&x, &y, &grad, &gamma, &mean, &variance]) {
+            return reference::batch_norm_relu6_backward::<Self>(
+                x, y, grad, gamma, mean, variance, epsilon,
+            );
+        }
+        let shape = x.shape();
+        let [batch, channels, h, w] = shape.dims();
+        let [x, y, grad, gamma, mean, variance] =
+            [&x, &y, &grad, &gamma, &mean, &variance].map(contiguous);
+        let (dx, dgamma, dbeta) = cpu::batch_norm_relu6_backward(
+            values(&x),
+            values(&y),
+            values(&grad),
+            [batch, h * w],
+            values(&gamma),
+            values(&mean),
+            values(&variance),
+            epsilon as f32,
+        );
+        BatchNormGrads {
+            x: output(dx, shape),
+            gamma: output(dgamma, [channels]),
+            beta: output(dbeta, [channels]),
+        }
+    }
+
+    fn affine_relu6(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        shift: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if !all_f32(&[&x, &scale, &shift]) {
+            return reference::affine_relu6::<Self>(x, scale, shift);
+        }
+        let shape = x.shape();
+        let [_, _, h, w] = shape.dims();
+        let [x, scale, shift] = [&x, &scale, &shift].map(contiguous);
+        output(
+            cpu::affine_relu6(values(&x), h * w, values(&scale), values(&shift)),
+            shape,
+        )
+    }
+}

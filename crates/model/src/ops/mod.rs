@@ -1,0 +1,164 @@
+//! The network's layer operations as a Burn backend extension.
+//!
+//! [`SsdBackend`] adds the three operations every MobileNet layer is made of: a convolution
+//! with TF "SAME" padding (dense or depthwise), training-mode BatchNorm fused with ReLU6, and
+//! the inference-mode affine map + ReLU6. Each has a default built from Burn's generic
+//! tensor operations ([`reference`]), which any backend (CUDA included) gets for free; the
+//! CPU backend overrides them with kernels written for these layers ([`cpu`]), and
+//! `Autodiff<B>` records them as single graph nodes whose backward pass calls the inner
+//! backend's backward operation. Model code stays generic over `B: SsdBackend`.
+
+mod autodiff;
+pub mod cpu;
+mod flex;
+pub mod reference;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// Gradients of [`SsdBackend::conv_same`].
+#[derive(Debug)]
+pub struct ConvGrads<B: Backend> {
+    /// Gradient of the input.
+    pub x: FloatTensor<B>,
+    /// Gradient of the filters.
+    pub weight: FloatTensor<B>,
+    /// Gradient of the bias (the output gradient summed per channel).
+    pub bias: FloatTensor<B>,
+}
+
+/// Outputs of [`SsdBackend::batch_norm_relu6`].
+#[derive(Debug)]
+pub struct BatchNormOutput<B: Backend> {
+    /// `clamp(gamma * (x - mean) / sqrt(variance + epsilon) + beta, 0, 6)`.
+    pub y: FloatTensor<B>,
+    /// Per-channel batch mean.
+    pub mean: FloatTensor<B>,
+    /// Per-channel biased batch variance.
+    pub variance: FloatTensor<B>,
+}
+
+/// Gradients of [`SsdBackend::batch_norm_relu6`].
+#[derive(Debug)]
+pub struct BatchNormGrads<B: Backend> {
+    /// Gradient of the input.
+    pub x: FloatTensor<B>,
+    /// Gradient of the scale.
+    pub gamma: FloatTensor<B>,
+    /// Gradient of the offset.
+    pub beta: FloatTensor<B>,
+}
+
+/// A backend that runs the network's layers; see the module documentation.
+pub trait SsdBackend: Backend {
+    /// Convolution of `x [batch, in, h, w]` with TF "SAME" padding (extra row/column at the
+    /// bottom/right). Dense: `weight [out, in, k, k]`; depthwise: `weight [in, 1, k, k]`.
+    fn conv_same(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        stride: usize,
+        depthwise: bool,
+    ) -> FloatTensor<Self> {
+        reference::conv_same::<Self>(x, weight, bias, stride, depthwise)
+    }
+
+    /// Backward pass of [`SsdBackend::conv_same`] for the output gradient `grad`.
+    fn conv_same_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        stride: usize,
+        depthwise: bool,
+    ) -> ConvGrads<Self> {
+        reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise)
+    }
+
+    /// Training-mode BatchNorm (batch statistics) followed by ReLU6.
+    fn batch_norm_relu6(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> BatchNormOutput<Self> {
+        reference::batch_norm_relu6::<Self>(x, gamma, beta, epsilon)
+    }
+
+    /// Backward pass of [`SsdBackend::batch_norm_relu6`], given its input, output and
+    /// statistics. ReLU6 passes gradient where its input was strictly inside `(0, 6)`.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_relu6_backward(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> BatchNormGrads<Self> {
+        reference::batch_norm_relu6_backward::<Self>(x, y, grad, gamma, mean, variance, epsilon)
+    }
+
+    /// `clamp(x * scale[c] + shift[c], 0, 6)`: inference-mode BatchNorm folded into a
+    /// per-channel affine map, then ReLU6.
+    fn affine_relu6(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        shift: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::affine_relu6::<Self>(x, scale, shift)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl SsdBackend for burn::backend::Cuda {}
+
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn tensor<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// [`SsdBackend::conv_same`] on tensors.
+pub fn conv_same<B: SsdBackend>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    stride: usize,
+    depthwise: bool,
+) -> Tensor<B, 4> {
+    tensor(B::conv_same(
+        prim(x),
+        prim(weight),
+        bias.map(prim),
+        stride,
+        depthwise,
+    ))
+}
+
+/// [`SsdBackend::batch_norm_relu6`] on tensors: `(y, mean, variance)`; the statistics carry
+/// no gradient (the backward pass of `y` already accounts for them).
+pub fn batch_norm_relu6<B: SsdBackend>(
+    x: Tensor<B, 4>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    epsilon: f64,
+) -> (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) {
+    let out = B::batch_norm_relu6(prim(x), prim(gamma), prim(beta), epsilon);
+    (tensor(out.y), tensor(out.mean), tensor(out.variance))
+}
+
+/// [`SsdBackend::affine_relu6`] on tensors.
+pub fn affine_relu6<B: SsdBackend>(
+    x: Tensor<B, 4>,
+    scale: Tensor<B, 1>,
+    shift: Tensor<B, 1>,
+) -> Tensor<B, 4> {
+    tensor(B::affine_relu6(prim(x), prim(scale), prim(shift)))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,152 @@
+//! The [`SsdBackend`](super::SsdBackend) operations built from Burn's generic tensor
+//! operations: the defaults for any backend, and the reference the CPU kernels are tested
+//! against.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::module::conv2d;
+use burn::tensor::ops::{ConvOptions, FloatTensor, PadMode};
+use burn::tensor::{Tensor, TensorMetadata};
+
+use super::cpu::same_padding;
+use super::{BatchNormGrads, BatchNormOutput, ConvGrads, prim, tensor};
+
+/// `x` padded as TF "SAME" pads it for this kernel and stride, with the convolution options
+/// that then need no padding.
+fn pad_same<B: Backend>(
+    x: FloatTensor<B>,
+    kernel: usize,
+    stride: usize,
+    groups: usize,
+) -> (Tensor<B, 4>, ConvOptions<2>, [usize; 2]) {
+    let [_, _, h, w] = x.shape().dims();
+    let pads = |size| {
+        let (out, before) = same_padding(size, kernel, stride);
+        let total = ((out.max(1) - 1) * stride + kernel).saturating_sub(size);
+        (before, total - before)
+    };
+    let ((top, bottom), (left, right)) = (pads(h), pads(w));
+    let x = tensor::<B, 4>(x).pad((left, right, top, bottom), PadMode::Constant(0.0));
+    let options = ConvOptions::new([stride, stride], [0, 0], [1, 1], groups);
+    (x, options, [top, left])
+}
+
+/// Convolution groups: one per input channel for a depthwise convolution.
+fn groups(x: &impl TensorMetadata, depthwise: bool) -> usize {
+    if depthwise {
+        x.shape().dims::<4>()[1]
+    } else {
+        1
+    }
+}
+
+pub fn conv_same<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    stride: usize,
+    depthwise: bool,
+) -> FloatTensor<B> {
+    let kernel = weight.shape().dims::<4>()[2];
+    let groups = groups(&x, depthwise);
+    let (x, options, _) = pad_same::<B>(x, kernel, stride, groups);
+    prim(conv2d(x, tensor(weight), bias.map(tensor), options))
+}
+
+pub fn conv_same_backward<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    stride: usize,
+    depthwise: bool,
+) -> ConvGrads<B> {
+    let [batch, in_channels, h, w] = x.shape().dims();
+    let kernel = weight.shape().dims::<4>()[2];
+    let groups = groups(&x, depthwise);
+    let (padded, options, [top, left]) = pad_same::<B>(x, kernel, stride, groups);
+    let padded = prim(padded);
+    let dx = B::conv2d_x_backward(
+        padded.clone(),
+        weight.clone(),
+        grad.clone(),
+        options.clone(),
+    );
+    let dweight = B::conv2d_weight_backward(padded, weight, grad.clone(), options);
+    let grad = tensor::<B, 4>(grad);
+    let channels = grad.dims()[1];
+    ConvGrads {
+        x: prim(tensor::<B, 4>(dx).slice([0..batch, 0..in_channels, top..top + h, left..left + w])),
+        weight: dweight,
+        bias: prim(grad.sum_dims(&[0, 2, 3]).reshape([channels])),
+    }
+}
+
+fn per_channel<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
+    let t = tensor::<B, 1>(t);
+    let c = t.dims()[0];
+    t.reshape([1, c, 1, 1])
+}
+
+pub fn batch_norm_relu6<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
+    epsilon: f64,
+) -> BatchNormOutput<B> {
+    let x = tensor::<B, 4>(x);
+    let [batch, channels, h, w] = x.dims();
+    let count = (batch * h * w) as f64;
+    let mean = x.clone().sum_dims(&[0, 2, 3]).div_scalar(count);
+    let centred = x - mean.clone();
+    let variance = centred
+        .clone()
+        .square()
+        .sum_dims(&[0, 2, 3])
+        .div_scalar(count);
+    let inv_std = variance.clone().add_scalar(epsilon).sqrt().recip();
+    let y = (centred * inv_std * per_channel(gamma) + per_channel(beta)).clamp(0.0, 6.0);
+    BatchNormOutput {
+        y: prim(y),
+        mean: prim(mean.reshape([channels])),
+        variance: prim(variance.reshape([channels])),
+    }
+}
+
+pub fn batch_norm_relu6_backward<B: Backend>(
+    x: FloatTensor<B>,
+    y: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    mean: FloatTensor<B>,
+    variance: FloatTensor<B>,
+    epsilon: f64,
+) -> BatchNormGrads<B> {
+    let (x, y, grad) = (tensor::<B, 4>(x), tensor::<B, 4>(y), tensor::<B, 4>(grad));
+    let [batch, channels, h, w] = x.dims();
+    let count = (batch * h * w) as f64;
+    let blocked = y
+        .clone()
+        .lower_equal_elem(0.0)
+        .bool_or(y.greater_equal_elem(6.0));
+    let dz = grad.mask_fill(blocked, 0.0);
+    let inv_std = per_channel(variance).add_scalar(epsilon).sqrt().recip();
+    let x_hat = (x - per_channel(mean)) * inv_std.clone();
+    let dbeta = dz.clone().sum_dims(&[0, 2, 3]);
+    let dgamma = (dz.clone() * x_hat.clone()).sum_dims(&[0, 2, 3]);
+    let dx = (dz - dbeta.clone().div_scalar(count) - x_hat * dgamma.clone().div_scalar(count))
+        * inv_std
+        * per_channel(gamma);
+    BatchNormGrads {
+        x: prim(dx),
+        gamma: prim(dgamma.reshape([channels])),
+        beta: prim(dbeta.reshape([channels])),
+    }
+}
+
+pub fn affine_relu6<B: Backend>(
+    x: FloatTensor<B>,
+    scale: FloatTensor<B>,
+    shift: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let x = tensor::<B, 4>(x);
+    prim((x * per_channel(scale) + per_channel(shift)).clamp(0.0, 6.0))
+}

@@ -1,0 +1,256 @@
+//! The CPU kernels against the reference operations: values, and gradients through
+//! `Autodiff` (custom graph nodes against Burn's own differentiation of the reference).
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Distribution, Tensor};
+
+use super::{affine_relu6, batch_norm_relu6, conv_same, prim, reference, tensor};
+
+type A = Autodiff<Flex>;
+
+fn random<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Flex, D> {
+    <Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
+    Tensor::random(shape, Distribution::Uniform(-1.0, 1.0), &Default::default())
+}
+
+fn values<const D: usize, B: burn::tensor::backend::Backend>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec().expect("f32 data")
+}
+
+fn assert_close(what: &str, got: Vec<f32>, want: Vec<f32>, tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{what}[{i}]: got {g}, reference {w}"
+        );
+    }
+}
+
+/// Input shape, output channels, kernel, stride, depthwise, bias.
+type ConvCase = ([usize; 4], usize, usize, usize, bool, bool);
+
+const CONVS: &[ConvCase] = &[
+    ([2, 5, 7, 6], 4, 1, 1, false, false),
+    ([2, 5, 7, 6], 4, 1, 1, false, true),
+    ([2, 3, 9, 8], 6, 3, 2, false, false),
+    ([1, 4, 6, 6], 3, 3, 1, false, true),
+    ([2, 4, 5, 5], 3, 3, 2, false, false),
+    ([3, 6, 7, 6], 6, 3, 1, true, false),
+    ([2, 6, 8, 9], 6, 3, 2, true, false),
+    ([2, 6, 7, 7], 6, 3, 2, true, true),
+    ([1, 2, 1, 1], 2, 3, 1, true, false),
+    ([1, 2, 2, 3], 5, 3, 2, false, true),
+];
+
+#[test]
+fn conv_matches_reference_values_and_gradients() {
+    for (n, &(shape, out, k, stride, depthwise, with_bias)) in CONVS.iter().enumerate() {
+        let what =
+            format!("conv {shape:?} -> {out} k{k} s{stride} dw={depthwise} bias={with_bias}");
+        let x = random(shape, 10 + n as u64);
+        let w_shape = if depthwise {
+            [shape[1], 1, k, k]
+        } else {
+            [out, shape[1], k, k]
+        };
+        let w = random(w_shape, 20 + n as u64);
+        let bias = with_bias.then(|| random([w_shape[0]], 30 + n as u64));
+
+        let fast = conv_same(x.clone(), w.clone(), bias.clone(), stride, depthwise);
+        let slow = tensor::<Flex, 4>(reference::conv_same::<Flex>(
+            prim(x.clone()),
+            prim(w.clone()),
+            bias.clone().map(prim),
+            stride,
+            depthwise,
+        ));
+        assert_eq!(fast.dims(), slow.dims(), "{what}");
+        let upstream = random(fast.dims(), 40 + n as u64);
+        assert_close(&what, values(fast), values(slow), 1e-5);
+
+        // gradients of sum(y * upstream)
+        let grads = |custom: bool| {
+            let xa = Tensor::<A, 4>::from_inner(x.clone()).require_grad();
+            let wa = Tensor::<A, 4>::from_inner(w.clone()).require_grad();
+            let ba = bias
+                .clone()
+                .map(|b| Tensor::<A, 1>::from_inner(b).require_grad());
+            let y = if custom {
+                conv_same(xa.clone(), wa.clone(), ba.clone(), stride, depthwise)
+            } else {
+                tensor::<A, 4>(reference::conv_same::<A>(
+                    prim(xa.clone()),
+                    prim(wa.clone()),
+                    ba.clone().map(prim),
+                    stride,
+                    depthwise,
+                ))
+            };
+            let g = (y * Tensor::from_inner(upstream.clone())).sum().backward();
+            let mut out = vec![
+                values(xa.grad(&g).expect("x grad")),
+                values(wa.grad(&g).expect("w grad")),
+            ];
+            if let Some(b) = ba {
+                out.push(values(b.grad(&g).expect("bias grad")));
+            }
+            out
+        };
+        for (i, (got, want)) in grads(true).into_iter().zip(grads(false)).enumerate() {
+            assert_close(&format!("{what} grad {i}"), got, want, 1e-4);
+        }
+    }
+}
+
+#[test]
+fn batch_norm_relu6_matches_reference_values_and_gradients() {
+    let (x, gamma, beta) = (
+        random([3, 4, 5, 6], 1).mul_scalar(4.0).add_scalar(1.0),
+        random([4], 2).mul_scalar(3.0),
+        random([4], 3),
+    );
+    let eps = 0.001;
+    let (y, mean, var) = batch_norm_relu6(x.clone(), gamma.clone(), beta.clone(), eps);
+    let r = reference::batch_norm_relu6::<Flex>(
+        prim(x.clone()),
+        prim(gamma.clone()),
+        prim(beta.clone()),
+        eps,
+    );
+    let clamped = values(y.clone())
+        .iter()
+        .filter(|&&v| v == 0.0 || v == 6.0)
+        .count();
+    assert!(
+        clamped > 20,
+        "the case exercises both ReLU6 bounds: {clamped}"
+    );
+    assert_close("bn y", values(y), values(tensor::<Flex, 4>(r.y)), 1e-5);
+    assert_close(
+        "bn mean",
+        values(mean),
+        values(tensor::<Flex, 1>(r.mean)),
+        1e-5,
+    );
+    assert_close(
+        "bn var",
+        values(var),
+        values(tensor::<Flex, 1>(r.variance)),
+        1e-5,
+    );
+
+    let upstream = random([3, 4, 5, 6], 4);
+    let grads = |custom: bool| {
+        let xa = Tensor::<A, 4>::from_inner(x.clone()).require_grad();
+        let ga = Tensor::<A, 1>::from_inner(gamma.clone()).require_grad();
+        let ba = Tensor::<A, 1>::from_inner(beta.clone()).require_grad();
+        let y = if custom {
+            batch_norm_relu6(xa.clone(), ga.clone(), ba.clone(), eps).0
+        } else {
+            tensor::<A, 4>(
+                reference::batch_norm_relu6::<A>(
+                    prim(xa.clone()),
+                    prim(ga.clone()),
+                    prim(ba.clone()),
+                    eps,
+                )
+                .y,
+            )
+        };
+        let g = (y * Tensor::from_inner(upstream.clone())).sum().backward();
+        [
+            values(xa.grad(&g).expect("x")),
+            values(ga.grad(&g).expect("gamma")),
+            values(ba.grad(&g).expect("beta")),
+        ]
+    };
+    for (i, (got, want)) in grads(true).into_iter().zip(grads(false)).enumerate() {
+        assert_close(&format!("bn grad {i}"), got, want, 1e-4);
+    }
+    // and the reference backward operation (the default other backends use) agrees too
+    let ours = grads(true);
+    let (y, mean, var) = batch_norm_relu6(x.clone(), gamma.clone(), beta.clone(), eps);
+    let r = reference::batch_norm_relu6_backward::<Flex>(
+        prim(x),
+        prim(y),
+        prim(upstream),
+        prim(gamma),
+        prim(mean),
+        prim(var),
+        eps,
+    );
+    assert_close(
+        "reference bn dx",
+        values(tensor::<Flex, 4>(r.x)),
+        ours[0].clone(),
+        1e-4,
+    );
+    assert_close(
+        "reference bn dgamma",
+        values(tensor::<Flex, 1>(r.gamma)),
+        ours[1].clone(),
+        1e-4,
+    );
+}
+
+#[test]
+fn reference_conv_backward_matches_autodiff() {
+    for (n, &(shape, out, k, stride, depthwise, _)) in CONVS.iter().enumerate() {
+        let x = random(shape, 50 + n as u64);
+        let w_shape = if depthwise {
+            [shape[1], 1, k, k]
+        } else {
+            [out, shape[1], k, k]
+        };
+        let w = random(w_shape, 60 + n as u64);
+        let y = conv_same(x.clone(), w.clone(), None, stride, depthwise);
+        let upstream = random(y.dims(), 70 + n as u64);
+        let fast = <Flex as super::SsdBackend>::conv_same_backward(
+            prim(x.clone()),
+            prim(w.clone()),
+            prim(upstream.clone()),
+            stride,
+            depthwise,
+        );
+        let slow = reference::conv_same_backward::<Flex>(
+            prim(x),
+            prim(w),
+            prim(upstream),
+            stride,
+            depthwise,
+        );
+        assert_close(
+            "dx",
+            values(tensor::<Flex, 4>(fast.x)),
+            values(tensor::<Flex, 4>(slow.x)),
+            1e-4,
+        );
+        assert_close(
+            "dw",
+            values(tensor::<Flex, 4>(fast.weight)),
+            values(tensor::<Flex, 4>(slow.weight)),
+            1e-4,
+        );
+        assert_close(
+            "db",
+            values(tensor::<Flex, 1>(fast.bias)),
+            values(tensor::<Flex, 1>(slow.bias)),
+            1e-4,
+        );
+    }
+}
+
+#[test]
+fn affine_relu6_matches_reference() {
+    let x = random([2, 3, 4, 5], 5).mul_scalar(8.0);
+    let (scale, shift) = (random([3], 6), random([3], 7));
+    let fast = affine_relu6(x.clone(), scale.clone(), shift.clone());
+    let slow = tensor::<Flex, 4>(reference::affine_relu6::<Flex>(
+        prim(x),
+        prim(scale),
+        prim(shift),
+    ));
+    assert_close("affine", values(fast), values(slow), 1e-6);
+}
