@@ -1,4 +1,7 @@
-//! Developer and dataset tasks: `cargo xtask prepare-data`, `cargo xtask inspect`.
+//! Developer and dataset tasks: `cargo xtask prepare-data`, `cargo xtask inspect`,
+//! `cargo xtask bench`.
+
+mod bench;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,6 +15,12 @@ use data::tfrecord::RecordIndex;
 use data::voc::{ClassSource, PetLayout};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+
+/// mimalloc keeps freed pages for reuse: the training step frees and reallocates the same large
+/// activation buffers every step, which the system allocator returns to the kernel and then
+/// faults back in.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(
@@ -32,6 +41,28 @@ enum Command {
         /// TFRecord files, globs or `base@N` shard specs.
         #[arg(required = true)]
         records: Vec<String>,
+    },
+    /// Training, inference and data-pipeline throughput and peak memory (CPU, and each CUDA
+    /// device found): prints a table and writes JSON.
+    Bench {
+        /// The JSON report.
+        #[arg(long, default_value = "target/bench.json")]
+        out: PathBuf,
+        /// Measured repetitions per case (after warm-up).
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// Only the cases whose label contains this text (e.g. "train", "batch 8").
+        #[arg(long)]
+        only: Option<String>,
+    },
+    /// One benchmark case (run by `bench` in a child process).
+    #[command(hide = true)]
+    BenchCase {
+        case: String,
+        #[arg(long)]
+        scratch: PathBuf,
+        #[arg(long)]
+        repeats: usize,
     },
 }
 
@@ -75,6 +106,20 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::PrepareData(args) => prepare(args),
         Command::Inspect { records } => inspect(&records),
+        Command::Bench { out, repeats, only } => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let cuda: Vec<usize> = (0..train::devices::cuda_device_count()).collect();
+            let cases: Vec<_> = bench::cases(&cuda, cores)
+                .into_iter()
+                .filter(|c| only.as_ref().is_none_or(|o| c.label().contains(o.as_str())))
+                .collect();
+            bench::run_all(&cases, repeats.max(1), &out)
+        }
+        Command::BenchCase {
+            case,
+            scratch,
+            repeats,
+        } => bench::run_case(&serde_json::from_str(&case)?, &scratch, repeats),
     }
 }
 

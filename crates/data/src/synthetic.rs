@@ -2,12 +2,16 @@
 //! pointed ears) and dog heads (round face, long floppy ears) of varied size, colour, position
 //! and count on textured backgrounds. Deterministic: image `i` of a seed is always the same.
 
-use image::{ImageEncoder, Rgb, RgbImage};
+use std::path::{Path, PathBuf};
+
+use image::{ImageEncoder, Rgb, RgbImage, imageops};
 use model::BBox;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::error::Result;
 use crate::example::{DetectionExample, Object, sha256_hex};
+use crate::shards::ShardedWriter;
 
 /// The two classes, label-map ids 1 and 2.
 pub const CLASSES: [&str; 2] = ["cat", "dog"];
@@ -188,6 +192,29 @@ pub fn generate(seed: u64, index: u64) -> SyntheticImage {
         image: img,
         objects,
     }
+}
+
+/// Writes images `0..count` of the set drawn with `seed`, each resized to `width x height`
+/// (boxes are normalised, so they still fit), as one TFRecord file at `path`: a fixed-size
+/// set for benchmarks.
+pub fn write_resized_set(
+    path: &Path,
+    seed: u64,
+    count: u64,
+    [width, height]: [u32; 2],
+) -> Result<Vec<PathBuf>> {
+    let mut writer = ShardedWriter::create(path, 1)?;
+    for i in 0..count {
+        let s = generate(seed, i);
+        let image = imageops::resize(&s.image, width, height, imageops::FilterType::Triangle);
+        let example = SyntheticImage {
+            image,
+            objects: s.objects,
+        }
+        .to_example(i);
+        writer.write(&example.encode())?;
+    }
+    writer.finish()
 }
 
 impl SyntheticImage {

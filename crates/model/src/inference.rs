@@ -13,6 +13,7 @@ use crate::boxes::BBox;
 use crate::config::SsdConfig;
 use crate::error::{ModelError, Result};
 use crate::ops::SsdBackend;
+use crate::portable::load_safetensors;
 use crate::postprocess::{RawDetection, multiclass_nms};
 use crate::preprocess::image_to_input;
 use crate::ssd::{Predictions, Ssd, anchors};
@@ -101,10 +102,15 @@ impl<B: SsdBackend> Detector<B> {
         })
     }
 
-    /// Builds the network from `config` and loads its weights from `weights`.
+    /// Builds the network from `config` and loads its weights from `weights`: a weights file
+    /// (`.mpk`, as checkpoints hold) or a safetensors export (`.safetensors`, `train export`).
     pub fn load(config: SsdConfig, weights: &Path, device: &B::Device) -> Result<Self> {
         config.validate()?;
-        let model = load_weights(&config, weights, device)?;
+        let model = if weights.extension().is_some_and(|e| e == "safetensors") {
+            load_safetensors(&config, weights, device)?
+        } else {
+            load_weights(&config, weights, device)?
+        };
         Self::new(config, model, device)
     }
 

@@ -29,6 +29,7 @@ mod layers;
 pub mod loss;
 pub mod mobilenet;
 pub mod ops;
+pub mod portable;
 pub mod postprocess;
 pub mod preprocess;
 pub mod ssd;

@@ -5,6 +5,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use rayon::prelude::*;
+
 use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::{HardExampleMinerConfig, LossConfig, MinerLossType, SsdConfig};
@@ -167,26 +169,34 @@ pub fn detection_loss<B: Backend>(
             let cls_host = to_vec(cls_per_anchor.clone());
             let loc_host = to_vec(loc_per_anchor.clone());
             let codes = to_vec(predictions.box_encodings.clone());
+            // images mined in parallel
+            let kept: Vec<Vec<usize>> = targets
+                .par_iter()
+                .enumerate()
+                .map(|(b, t)| {
+                    let range = b * num_anchors..(b + 1) * num_anchors;
+                    let losses: Vec<f32> = match miner.loss_type {
+                        MinerLossType::Classification => cls_host[range.clone()].to_vec(),
+                        MinerLossType::Localization => loc_host[range.clone()].to_vec(),
+                        MinerLossType::Both => cls_host[range.clone()]
+                            .iter()
+                            .zip(&loc_host[range.clone()])
+                            .map(|(c, l)| {
+                                c * config.classification_weight + l * config.localization_weight
+                            })
+                            .collect(),
+                    };
+                    let boxes = coder.decode_all(
+                        &codes[b * num_anchors * 4..(b + 1) * num_anchors * 4],
+                        anchors,
+                    );
+                    mine_hard_examples(miner, &losses, &boxes, &t.matches)
+                })
+                .collect();
             let mut mask = vec![0.0f32; batch * num_anchors];
             let mut negatives = 0;
-            for (b, t) in targets.iter().enumerate() {
-                let range = b * num_anchors..(b + 1) * num_anchors;
-                let losses: Vec<f32> = match miner.loss_type {
-                    MinerLossType::Classification => cls_host[range.clone()].to_vec(),
-                    MinerLossType::Localization => loc_host[range.clone()].to_vec(),
-                    MinerLossType::Both => cls_host[range.clone()]
-                        .iter()
-                        .zip(&loc_host[range.clone()])
-                        .map(|(c, l)| {
-                            c * config.classification_weight + l * config.localization_weight
-                        })
-                        .collect(),
-                };
-                let boxes = coder.decode_all(
-                    &codes[b * num_anchors * 4..(b + 1) * num_anchors * 4],
-                    anchors,
-                );
-                for i in mine_hard_examples(miner, &losses, &boxes, &t.matches) {
+            for (b, (t, kept)) in targets.iter().zip(kept).enumerate() {
+                for i in kept {
                     mask[b * num_anchors + i] = 1.0;
                     negatives += usize::from(t.matches[i] == Match::Unmatched);
                 }

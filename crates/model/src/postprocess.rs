@@ -21,19 +21,63 @@ pub fn non_max_suppression(
         .filter(|&i| scores[i] > score_threshold)
         .collect();
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
-    let mut selected: Vec<usize> = Vec::new();
+    let mut selected = Vec::new();
+    let mut kept = SelectedBoxes::default();
     for i in order {
         if selected.len() >= max_output {
             break;
         }
-        if selected
-            .iter()
-            .all(|&s| boxes[s].iou(&boxes[i]) <= iou_threshold)
-        {
+        if !kept.overlaps(&boxes[i], iou_threshold) {
+            kept.push(&boxes[i]);
             selected.push(i);
         }
     }
     selected
+}
+
+/// The boxes NMS has selected so far, by coordinate (so that the IoU test against all of them
+/// vectorises).
+#[derive(Default)]
+struct SelectedBoxes {
+    ymin: Vec<f32>,
+    xmin: Vec<f32>,
+    ymax: Vec<f32>,
+    xmax: Vec<f32>,
+    area: Vec<f32>,
+}
+
+impl SelectedBoxes {
+    fn push(&mut self, b: &BBox) {
+        self.ymin.push(b.ymin);
+        self.xmin.push(b.xmin);
+        self.ymax.push(b.ymax);
+        self.xmax.push(b.xmax);
+        self.area.push(b.area());
+    }
+
+    /// Whether `b` has IoU above `threshold` with any selected box ([`BBox::iou`]'s
+    /// arithmetic, selected box first).
+    fn overlaps(&self, b: &BBox, threshold: f32) -> bool {
+        const BLOCK: usize = 64;
+        let area = b.area();
+        let n = self.area.len();
+        (0..n).step_by(BLOCK).any(|start| {
+            let end = (start + BLOCK).min(n);
+            let mut hit = false;
+            for j in start..end {
+                let h = (self.ymax[j].min(b.ymax) - self.ymin[j].max(b.ymin)).max(0.0);
+                let w = (self.xmax[j].min(b.xmax) - self.xmin[j].max(b.xmin)).max(0.0);
+                let inter = h * w;
+                let iou = if inter == 0.0 {
+                    0.0
+                } else {
+                    inter / (self.area[j] + area - inter)
+                };
+                hit |= iou > threshold;
+            }
+            hit
+        })
+    }
 }
 
 /// One detection of the post-processing.

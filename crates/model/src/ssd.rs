@@ -209,6 +209,26 @@ impl<B: Backend> Ssd<B> {
         kernels
     }
 
+    /// Every convolution + BatchNorm unit: `Conv2d_0`, the 13 depthwise / pointwise pairs,
+    /// then each extra layer's 1x1 and 3x3 units.
+    pub(crate) fn conv_units_mut(&mut self) -> Vec<&mut ConvBnRelu6<B>> {
+        let mut units = vec![&mut self.backbone.conv0];
+        for b in &mut self.backbone.blocks {
+            units.push(&mut b.depthwise);
+            units.push(&mut b.pointwise);
+        }
+        for e in &mut self.extras {
+            units.push(&mut e.reduce);
+            units.push(&mut e.expand);
+        }
+        units
+    }
+
+    /// The box and class predictor convolutions.
+    pub(crate) fn heads_mut(&mut self) -> (&mut [Conv2d<B>], &mut [Conv2d<B>]) {
+        (&mut self.box_heads, &mut self.class_heads)
+    }
+
     /// Every BatchNorm of the network, in a fixed order.
     pub fn batch_norms(&self) -> Vec<&BatchNorm<B>> {
         std::iter::once(&self.backbone.conv0)

@@ -40,7 +40,9 @@ pub struct TrainSettings {
     /// Clip the gradients to this global norm (`gradient_clipping_by_norm`); `null` disables.
     #[serde(default)]
     pub gradient_clipping_by_norm: Option<f32>,
-    /// Weights to start from (a checkpoint dir or weights file of this model).
+    /// Weights to start from: a checkpoint dir, a weights file of this model (`.mpk`), or a
+    /// `.safetensors` file (`model::portable` layout; with `fine_tune_backbone_only`, also a
+    /// Hugging Face `google/mobilenet_v1_*` backbone).
     #[serde(default)]
     pub fine_tune_checkpoint: Option<PathBuf>,
     /// Restore only the backbone (`fine_tune_checkpoint_type: classification`).

@@ -25,6 +25,7 @@ use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
 use model::loss::compute_loss;
 use model::ops::SsdBackend;
+use model::portable::{import_mobilenet_v1, load_safetensors};
 use model::targets::assign_targets;
 use model::weights::{backbone_from_bytes, load_weights, weights_from_bytes, weights_to_bytes};
 use model::{BBox, Ssd};
@@ -83,8 +84,12 @@ pub struct RunSummary {
     pub last_loss: LossValues,
     /// Training images per second over the run.
     pub images_per_sec: f64,
-    /// Seconds spent in gradient synchronisation, summed over steps (replica 0).
+    /// Seconds spent in gradient synchronisation, summed over steps (mean over replicas).
     pub sync_seconds: f64,
+    /// Wall time of each step of this run (waiting for its batch included).
+    pub step_seconds: Vec<f64>,
+    /// Seconds the steps spent waiting for the data loader, summed.
+    pub data_wait_seconds: f64,
     /// Wall time of the run.
     pub seconds: f64,
     /// The last evaluation.
@@ -281,11 +286,18 @@ fn starting_point<B: Backend>(
         } else {
             source.clone()
         };
-        let bytes =
-            std::fs::read(&weights).with_context(|| format!("reading {}", weights.display()))?;
-        if config.train.fine_tune_backbone_only {
+        let safetensors = weights.extension().is_some_and(|e| e == "safetensors");
+        if safetensors && config.train.fine_tune_backbone_only {
+            model = import_mobilenet_v1(model, &weights)?;
+        } else if safetensors {
+            model = load_safetensors(mc, &weights, device)?;
+        } else if config.train.fine_tune_backbone_only {
+            let bytes = std::fs::read(&weights)
+                .with_context(|| format!("reading {}", weights.display()))?;
             model.backbone = backbone_from_bytes::<Train<B>>(mc, bytes, &weights, device)?;
         } else {
+            let bytes = std::fs::read(&weights)
+                .with_context(|| format!("reading {}", weights.display()))?;
             model = weights_from_bytes(mc, bytes, &weights, device)?;
         }
         log(format!("fine-tuning from {}", weights.display()));
@@ -450,6 +462,8 @@ pub fn train<B: SsdBackend>(
     let run_start = Instant::now();
     let mut window = (Instant::now(), 0u64);
     let mut sync_seconds = 0.0;
+    let mut step_seconds = Vec::new();
+    let mut data_wait_seconds = 0.0;
     let first_step = step;
 
     // Average BatchNorm statistics over replicas, then snapshot replica 0.
@@ -556,7 +570,9 @@ pub fn train<B: SsdBackend>(
 
     let num_steps = config.train.num_steps;
     while step < num_steps && !options.stop.load(Ordering::Relaxed) {
+        let step_start = Instant::now();
         let batch = loader.next().context("the data loader stopped")??;
+        data_wait_seconds += step_start.elapsed().as_secs_f64();
         position = batch.next_position;
         lr = config.train.optimizer.learning_rate().at(step);
         let mut parts = batch.split(replicas).into_iter();
@@ -590,6 +606,7 @@ pub fn train<B: SsdBackend>(
             );
         }
         step += 1;
+        step_seconds.push(step_start.elapsed().as_secs_f64());
         last_loss = loss;
         window.1 += 1;
         if step % config.train.log_every == 0 || step == num_steps {
@@ -642,6 +659,8 @@ pub fn train<B: SsdBackend>(
         last_loss,
         images_per_sec: (steps_this_run as usize * batch_size) as f64 / seconds.max(1e-9),
         sync_seconds,
+        step_seconds,
+        data_wait_seconds,
         seconds,
         metrics: last_metrics,
         checkpoint: last_checkpoint,

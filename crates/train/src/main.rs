@@ -12,9 +12,16 @@ use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
 use model::ops::SsdBackend;
 use train::config::TrainConfig;
+use train::devices::cuda_device_count;
 use train::eval::{read_coco, run_on_dataset};
 use train::learner::{RunOptions, train};
 use train::metrics::{Metrics, evaluate};
+
+/// mimalloc keeps freed pages for reuse: the training step frees and reallocates the same large
+/// activation buffers every step, which the system allocator returns to the kernel and then
+/// faults back in.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(
@@ -89,6 +96,20 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Write a checkpoint's inference weights (its EMA weights when the run keeps them) as
+    /// safetensors (names in `model::portable`), and the model config as JSON beside it
+    /// (`FILE.json`); `model::Detector::load` takes both.
+    Export {
+        /// Model dir (its latest checkpoint) or a checkpoint folder.
+        #[arg(long)]
+        model_dir: PathBuf,
+        /// Config of the model (default: configs/synthetic.json).
+        #[arg(long, default_value = "configs/synthetic.json")]
+        config: PathBuf,
+        /// The safetensors file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 /// Where to run.
@@ -96,20 +117,6 @@ enum Devices {
     Cpu(usize),
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Cuda(Vec<usize>),
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_device_count() -> usize {
-    // SAFETY: only probes whether the CUDA driver library can be loaded.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return 0;
-    }
-    cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_device_count() -> usize {
-    0
 }
 
 fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
@@ -204,7 +211,49 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Some(Command::Export {
+            model_dir,
+            config,
+            out,
+        }) => export(&model_dir, &config, &out),
     }
+}
+
+fn export(dir: &Path, config: &Path, out: &Path) -> Result<()> {
+    let config = TrainConfig::load(config)?;
+    let weights = inference_weights(dir)?;
+    let net = model::weights::load_weights::<Flex>(&config.model, &weights, &Default::default())?;
+    model::portable::save_safetensors(&net, &config.model, out)?;
+    let json = out.with_extension("json");
+    model::weights::write_atomic(
+        &json,
+        serde_json::to_string_pretty(&config.model)?.as_bytes(),
+    )
+    .with_context(|| format!("writing {}", json.display()))?;
+    println!(
+        "exported {} to {} (config {})",
+        weights.display(),
+        out.display(),
+        json.display()
+    );
+    Ok(())
+}
+
+/// The weights inference should use from a model dir or checkpoint folder: the EMA weights
+/// when the run keeps them, else the trained ones.
+fn inference_weights(dir: &Path) -> Result<PathBuf> {
+    let ckpt = if dir.join("state.json").is_file() {
+        dir.to_path_buf()
+    } else {
+        train::checkpoint::latest(dir)?
+            .with_context(|| format!("{} holds no checkpoint", dir.display()))?
+    };
+    let state = train::checkpoint::read_state(&ckpt)?;
+    Ok(if state.has_ema {
+        ckpt.join("ema.mpk")
+    } else {
+        ckpt.join("model.mpk")
+    })
 }
 
 fn print_metrics(m: &Metrics) {
@@ -222,18 +271,7 @@ fn print_metrics(m: &Metrics) {
 
 fn eval_checkpoint(dir: &Path, config: &Path, data: &[String], device: &str) -> Result<Metrics> {
     let config = TrainConfig::load(config)?;
-    let ckpt = if dir.join("state.json").is_file() {
-        dir.to_path_buf()
-    } else {
-        train::checkpoint::latest(dir)?
-            .with_context(|| format!("{} holds no checkpoint", dir.display()))?
-    };
-    let state = train::checkpoint::read_state(&ckpt)?;
-    let weights = if state.has_ema {
-        ckpt.join("ema.mpk")
-    } else {
-        ckpt.join("model.mpk")
-    };
+    let weights = inference_weights(dir)?;
     let patterns = if data.is_empty() {
         config.data.eval.clone()
     } else {

@@ -309,40 +309,128 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> ConvGra
     }
 }
 
+/// Lanes of the vectorised reductions below.
+const LANES: usize = 8;
+
+/// `sum(a[i] * b[i])` with independent lane accumulators (so the compiler vectorises it).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `dst[i] += w * src[i]`.
+fn axpy(dst: &mut [f32], w: f32, src: &[f32]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d += w * v;
+    }
+}
+
+/// A plane's columns regrouped by `column % stride`, so that the strided columns one kernel
+/// tap reads are contiguous: column `j * stride + phase` of row `r` sits at
+/// `(r * stride + phase) * ceil(w / stride) + j`. Stride 1 is the plane itself.
+struct Phased {
+    stride: usize,
+    width: usize,
+    phase_width: usize,
+}
+
+impl Phased {
+    fn new(width: usize, stride: usize) -> Self {
+        Self {
+            stride,
+            width,
+            phase_width: width.div_ceil(stride),
+        }
+    }
+
+    fn len(&self, height: usize) -> usize {
+        height * self.stride * self.phase_width
+    }
+
+    fn split(&self, plane: &[f32], out: &mut [f32]) {
+        for (row, src) in plane.chunks(self.width).enumerate() {
+            for (col, &v) in src.iter().enumerate() {
+                let phase = col % self.stride;
+                out[(row * self.stride + phase) * self.phase_width + col / self.stride] = v;
+            }
+        }
+    }
+
+    fn merge(&self, split: &[f32], plane: &mut [f32]) {
+        for (row, dst) in plane.chunks_mut(self.width).enumerate() {
+            for (col, v) in dst.iter_mut().enumerate() {
+                let phase = col % self.stride;
+                *v = split[(row * self.stride + phase) * self.phase_width + col / self.stride];
+            }
+        }
+    }
+
+    /// Where the input columns of outputs `lo..hi` at kernel offset `offset` (input column
+    /// `ox * stride + offset`) start in input row `row` of the split plane.
+    fn start(&self, row: usize, lo: usize, offset: isize) -> usize {
+        let s = self.stride as isize;
+        let phase = offset.rem_euclid(s);
+        let shift = (offset - phase) / s;
+        (row * self.stride + phase as usize) * self.phase_width + (lo as isize + shift) as usize
+    }
+}
+
+/// Calls `tap(oy, iy, ky, kx, lo, hi, offset)` for every output row and in-image kernel tap
+/// of a depthwise plane: outputs `lo..hi` of row `oy` read input row `iy`, columns
+/// `ox * stride + offset`.
+fn for_each_tap(g: &Conv, mut tap: impl FnMut(usize, usize, usize, usize, usize, usize, isize)) {
+    for oy in 0..g.out_height {
+        for ky in 0..g.kernel {
+            let Some(iy) = g.input_row(oy, ky) else {
+                continue;
+            };
+            for kx in 0..g.kernel {
+                let (lo, hi) = g.valid_columns(kx);
+                tap(oy, iy, ky, kx, lo, hi, kx as isize - g.pad_left as isize);
+            }
+        }
+    }
+}
+
 /// Depthwise convolution (`in_channels == out_channels`, one `k x k` filter per channel):
 /// `x [batch, c, h, w]`, `weight [c, 1, k, k]`.
 pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
     let c = g.in_channels;
     let kk = g.kernel * g.kernel;
+    let phased = Phased::new(g.width, g.stride);
     let mut y = vec![0.0f32; g.batch * c * g.out_plane()];
     y.par_chunks_mut(g.out_plane())
         .enumerate()
         .for_each(|(p, out)| {
             let plane = &x[p * g.in_plane()..][..g.in_plane()];
             let filter = &weight[(p % c) * kk..][..kk];
-            for oy in 0..g.out_height {
-                let row = &mut out[oy * g.out_width..][..g.out_width];
-                for ky in 0..g.kernel {
-                    let Some(iy) = g.input_row(oy, ky) else {
-                        continue;
-                    };
-                    let src = &plane[iy * g.width..][..g.width];
-                    for kx in 0..g.kernel {
-                        let w = filter[ky * g.kernel + kx];
-                        let (lo, hi) = g.valid_columns(kx);
-                        if g.stride == 1 {
-                            let src = &src[lo + kx - g.pad_left..][..hi - lo];
-                            for (o, &v) in row[lo..hi].iter_mut().zip(src) {
-                                *o += w * v;
-                            }
-                        } else {
-                            for ox in lo..hi {
-                                row[ox] += w * src[ox * g.stride + kx - g.pad_left];
-                            }
-                        }
-                    }
-                }
-            }
+            let mut split = Vec::new();
+            let xs: &[f32] = if g.stride == 1 {
+                plane
+            } else {
+                split.resize(phased.len(g.height), 0.0);
+                phased.split(plane, &mut split);
+                &split
+            };
+            for_each_tap(g, |oy, iy, ky, kx, lo, hi, offset| {
+                let src = &xs[phased.start(iy, lo, offset)..][..hi - lo];
+                let row = &mut out[oy * g.out_width..][lo..hi];
+                axpy(row, filter[ky * g.kernel + kx], src);
+            });
         });
     y
 }
@@ -350,61 +438,70 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
 /// Backward pass of [`depthwise_forward`]: `(dx, dweight)`.
 pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let c = g.in_channels;
-    let k = g.kernel;
-    let kk = k * k;
+    let kk = g.kernel * g.kernel;
+    let phased = Phased::new(g.width, g.stride);
     let mut dx = vec![0.0f32; x.len()];
+    // per-plane filter gradients, summed over the batch below
+    let mut partial = vec![0.0f32; g.batch * c * kk];
     dx.par_chunks_mut(g.in_plane())
+        .zip(partial.par_chunks_mut(kk))
         .enumerate()
-        .for_each(|(p, dplane)| {
+        .for_each(|(p, (dplane, dfilter))| {
+            let plane = &x[p * g.in_plane()..][..g.in_plane()];
             let grad = &dy[p * g.out_plane()..][..g.out_plane()];
             let filter = &weight[(p % c) * kk..][..kk];
-            for oy in 0..g.out_height {
-                let grow = &grad[oy * g.out_width..][..g.out_width];
-                for ky in 0..k {
-                    let Some(iy) = g.input_row(oy, ky) else {
-                        continue;
-                    };
-                    let dst = &mut dplane[iy * g.width..][..g.width];
-                    for kx in 0..k {
-                        let w = filter[ky * k + kx];
-                        let (lo, hi) = g.valid_columns(kx);
-                        for ox in lo..hi {
-                            dst[ox * g.stride + kx - g.pad_left] += w * grow[ox];
-                        }
-                    }
-                }
+            let (mut xs_buf, mut dxs_buf) = (Vec::new(), Vec::new());
+            let xs: &[f32] = if g.stride == 1 {
+                plane
+            } else {
+                xs_buf.resize(phased.len(g.height), 0.0);
+                phased.split(plane, &mut xs_buf);
+                &xs_buf
+            };
+            let dxs: &mut [f32] = if g.stride == 1 {
+                dplane
+            } else {
+                dxs_buf.resize(phased.len(g.height), 0.0);
+                &mut dxs_buf
+            };
+            for_each_tap(g, |oy, iy, ky, kx, lo, hi, offset| {
+                let at = phased.start(iy, lo, offset);
+                let grow = &grad[oy * g.out_width..][lo..hi];
+                let tap = ky * g.kernel + kx;
+                dfilter[tap] += dot(grow, &xs[at..][..hi - lo]);
+                axpy(&mut dxs[at..][..hi - lo], filter[tap], grow);
+            });
+            if g.stride != 1 {
+                phased.merge(&dxs_buf, dplane);
             }
         });
     let mut dw = vec![0.0f32; weight.len()];
-    dw.par_chunks_mut(kk).enumerate().for_each(|(ch, dfilter)| {
-        for b in 0..g.batch {
-            let p = b * c + ch;
-            let plane = &x[p * g.in_plane()..][..g.in_plane()];
-            let grad = &dy[p * g.out_plane()..][..g.out_plane()];
-            for oy in 0..g.out_height {
-                let grow = &grad[oy * g.out_width..][..g.out_width];
-                for ky in 0..k {
-                    let Some(iy) = g.input_row(oy, ky) else {
-                        continue;
-                    };
-                    let src = &plane[iy * g.width..][..g.width];
-                    for kx in 0..k {
-                        let (lo, hi) = g.valid_columns(kx);
-                        let mut acc = 0.0f32;
-                        for ox in lo..hi {
-                            acc += grow[ox] * src[ox * g.stride + kx - g.pad_left];
-                        }
-                        dfilter[ky * k + kx] += acc;
-                    }
-                }
-            }
-        }
-    });
+    for image in partial.chunks(c * kk) {
+        axpy(&mut dw, 1.0, image);
+    }
     (dx, dw)
 }
 
+/// `(sum(x), sum((x - shift)^2))` of a slice with lane accumulators.
+fn sum_and_squares(x: &[f32], shift: f32) -> (f32, f32) {
+    let (mut s, mut q) = ([0.0f32; LANES], [0.0f32; LANES]);
+    let chunks = x.chunks_exact(LANES);
+    let (mut ts, mut tq) = (0.0f32, 0.0f32);
+    for &v in chunks.remainder() {
+        ts += v;
+        tq += (v - shift) * (v - shift);
+    }
+    for ch in chunks {
+        for i in 0..LANES {
+            s[i] += ch[i];
+            q[i] += (ch[i] - shift) * (ch[i] - shift);
+        }
+    }
+    (s.iter().sum::<f32>() + ts, q.iter().sum::<f32>() + tq)
+}
+
 /// Per-channel statistics of `[batch, channels, plane]` data: the mean and the biased
-/// variance, accumulated in `f64`.
+/// variance (sums per plane in lanes, across planes in `f64`).
 pub fn channel_moments(x: &[f32], batch: usize, channels: usize) -> (Vec<f32>, Vec<f32>) {
     let plane = x.len() / (batch * channels).max(1);
     let count = (batch * plane) as f64;
@@ -413,11 +510,11 @@ pub fn channel_moments(x: &[f32], batch: usize, channels: usize) -> (Vec<f32>, V
         .map(|c| {
             let planes = || (0..batch).map(|b| &x[(b * channels + c) * plane..][..plane]);
             let mean = planes()
-                .map(|p| p.iter().map(|&v| v as f64).sum::<f64>())
+                .map(|p| sum_and_squares(p, 0.0).0 as f64)
                 .sum::<f64>()
                 / count;
             let var = planes()
-                .map(|p| p.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>())
+                .map(|p| sum_and_squares(p, mean as f32).1 as f64)
                 .sum::<f64>()
                 / count;
             (mean as f32, var as f32)
@@ -491,14 +588,14 @@ pub fn batch_norm_relu6_backward(
             for b in 0..batch {
                 let at = (b * channels + c) * plane;
                 let (xs, ys, gs) = (&x[at..][..plane], &y[at..][..plane], &dy[at..][..plane]);
-                let (mut a, mut s) = (0.0f32, 0.0f32);
-                for ((&xv, &yv), &g) in xs.iter().zip(ys).zip(gs) {
+                let (mut a, mut s) = ([0.0f32; LANES], [0.0f32; LANES]);
+                for (i, ((&xv, &yv), &g)) in xs.iter().zip(ys).zip(gs).enumerate() {
                     let dz = if passes(yv) { g } else { 0.0 };
-                    s += dz;
-                    a += dz * (xv - mean[c]);
+                    s[i % LANES] += dz;
+                    a[i % LANES] += dz * (xv - mean[c]);
                 }
-                sum_dz += s as f64;
-                sum_dz_xhat += a as f64 * inv_std[c] as f64;
+                sum_dz += s.iter().sum::<f32>() as f64;
+                sum_dz_xhat += a.iter().sum::<f32>() as f64 * inv_std[c] as f64;
             }
             (sum_dz_xhat as f32, sum_dz as f32)
         })

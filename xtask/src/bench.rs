@@ -1,0 +1,419 @@
+//! `cargo xtask bench`: training, inference and data-pipeline throughput with peak memory.
+//!
+//! Every case runs in its own child process (`xtask bench-case CASE`) so that its peak
+//! resident memory (`VmHWM`) is its own; the parent prints a table and writes JSON.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::backend::Flex;
+use burn::tensor::{Distribution, Tensor};
+use data::augment::Augmentation;
+use data::loader::{Loader, LoaderConfig, Position, load_sample};
+use data::synthetic::write_resized_set;
+use data::tfrecord::RecordIndex;
+use model::inference::postprocess;
+use model::ssd::anchors;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use train::config::TrainConfig;
+use train::learner::{RunOptions, train};
+
+/// One measurement, run in a child process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Case {
+    /// Training steps of the pets model (37 classes, 300x300).
+    Train {
+        /// `cpu`, `cpu:N` or a CUDA ordinal.
+        devices: String,
+        batch: usize,
+        /// Limit the CPU thread pool (1 = one core); 0 = every core.
+        threads: usize,
+    },
+    /// Forward pass of the pets model on the CPU, optionally with post-processing.
+    Infer { batch: usize, postprocess: bool },
+    /// Decode + augmentation + resize of 500x375 JPEGs.
+    Data { workers: usize },
+}
+
+impl Case {
+    /// How the table names the case.
+    pub fn label(&self) -> String {
+        match self {
+            Case::Train {
+                devices,
+                batch,
+                threads,
+            } => {
+                let cores = if *threads == 0 {
+                    String::new()
+                } else {
+                    format!(", {threads} thread(s)")
+                };
+                format!("train --devices {devices}, batch {batch}{cores}")
+            }
+            Case::Infer { batch, postprocess } => format!(
+                "inference batch {batch}{}",
+                if *postprocess {
+                    " + NMS"
+                } else {
+                    ", model only"
+                }
+            ),
+            Case::Data { workers } => format!("data pipeline, {workers} worker(s)"),
+        }
+    }
+}
+
+/// What a case measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Measured {
+    /// Per-repetition images per second.
+    pub images_per_sec: Vec<f64>,
+    /// Per-repetition milliseconds per batch (training step, forward, NMS).
+    pub ms_per_batch: Vec<f64>,
+    /// Share of the step spent in gradient synchronisation (training only).
+    pub sync_share: Option<f64>,
+    /// Share of the step spent waiting for data (training only).
+    pub data_wait_share: Option<f64>,
+    /// Milliseconds per image of post-processing alone (inference with NMS only).
+    pub postprocess_ms: Option<Vec<f64>>,
+    /// Peak resident memory of the process, MiB.
+    pub peak_mib: f64,
+}
+
+/// The repository root: the current directory when it has `configs/` (a binary carried to
+/// another machine), else where this xtask was built.
+fn workspace() -> PathBuf {
+    if Path::new("configs").is_dir() {
+        return PathBuf::from(".");
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn peak_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+/// Runs one case in this process and prints its [`Measured`] as JSON.
+pub fn run_case(case: &Case, scratch: &Path, repeats: usize) -> Result<()> {
+    let measured = match case {
+        Case::Train { devices, batch, .. } => train_case(devices, *batch, scratch, repeats)?,
+        Case::Infer { batch, postprocess } => infer_case(*batch, *postprocess, repeats)?,
+        Case::Data { workers } => data_case(*workers, scratch, repeats)?,
+    };
+    println!("{}", serde_json::to_string(&measured)?);
+    Ok(())
+}
+
+/// The 500x375 JPEG set the data and training cases read (made once per scratch dir).
+fn bench_records(scratch: &Path) -> Result<Vec<PathBuf>> {
+    let base = scratch.join("bench.record");
+    let existing = data::shards::expand_patterns(&[format!("{}-*", base.display())]);
+    if let Ok(files) = existing
+        && !files.is_empty()
+    {
+        return Ok(files);
+    }
+    Ok(write_resized_set(&base, 7, 240, [500, 375])?)
+}
+
+const WARM_UP_STEPS: usize = 2;
+
+fn train_case(devices: &str, batch: usize, scratch: &Path, repeats: usize) -> Result<Measured> {
+    let records = bench_records(scratch)?;
+    let mut config = TrainConfig::load(&workspace().join("configs/ssd_mobilenet_v1_pets.json"))?;
+    config.train.batch_size = batch;
+    config.train.num_steps = (WARM_UP_STEPS + repeats) as u64;
+    config.train.checkpoint_every = u64::MAX;
+    config.train.log_every = u64::MAX;
+    config.eval.every = 0;
+    config.data.train = records.iter().map(|p| p.display().to_string()).collect();
+    config.data.eval = Vec::new();
+    config.data.synthetic_if_missing = false;
+    let model_dir = tempfile::tempdir_in(scratch)?;
+    let options = RunOptions {
+        model_dir: model_dir.path().to_path_buf(),
+        stop: Arc::new(AtomicBool::new(false)),
+        verbose: false,
+    };
+    let summary = match devices {
+        "cpu" => train::<Flex>(&config, &[Default::default()], &options)?,
+        d if d.starts_with("cpu:") => {
+            let n: usize = d[4..].parse().context("cpu:N")?;
+            train::<Flex>(&config, &vec![Default::default(); n], &options)?
+        }
+        d => cuda_train(&config, d, &options)?,
+    };
+    let steps = &summary.step_seconds[WARM_UP_STEPS.min(summary.step_seconds.len())..];
+    let total: f64 = summary.step_seconds.iter().sum();
+    Ok(Measured {
+        images_per_sec: steps.iter().map(|s| batch as f64 / s).collect(),
+        ms_per_batch: steps.iter().map(|s| s * 1000.0).collect(),
+        sync_share: Some(summary.sync_seconds / total),
+        data_wait_share: Some(summary.data_wait_seconds / total),
+        postprocess_ms: None,
+        peak_mib: peak_mib(),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_train(
+    config: &TrainConfig,
+    devices: &str,
+    options: &RunOptions,
+) -> Result<train::learner::RunSummary> {
+    use burn::backend::Cuda;
+    use burn::backend::cuda::CudaDevice;
+    let ids = devices
+        .split(',')
+        .map(|s| s.trim().parse::<usize>().map(CudaDevice::new))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .with_context(|| format!("devices {devices}"))?;
+    train::<Cuda>(config, &ids, options)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_train(
+    _: &TrainConfig,
+    devices: &str,
+    _: &RunOptions,
+) -> Result<train::learner::RunSummary> {
+    bail!("devices {devices}: xtask was built without the cuda feature")
+}
+
+fn infer_case(batch: usize, with_nms: bool, repeats: usize) -> Result<Measured> {
+    let config = TrainConfig::load(&workspace().join("configs/ssd_mobilenet_v1_pets.json"))?.model;
+    let device = Default::default();
+    let net = config.init::<Flex>(0, &device)?;
+    let anchors = anchors(&config);
+    let [h, w] = config.image_size;
+    let images =
+        Tensor::<Flex, 4>::random([batch, 3, h, w], Distribution::Uniform(-1.0, 1.0), &device);
+    let mut ms = Vec::new();
+    let mut nms_ms = Vec::new();
+    for i in 0..WARM_UP_STEPS + repeats {
+        let start = Instant::now();
+        let predictions = net.forward(images.clone());
+        let _ = predictions.class_logits.clone().into_data();
+        let _ = predictions.box_encodings.clone().into_data();
+        if with_nms {
+            let nms_start = Instant::now();
+            let detections = postprocess(&config, &anchors, &predictions);
+            std::hint::black_box(detections);
+            if i >= WARM_UP_STEPS {
+                nms_ms.push(nms_start.elapsed().as_secs_f64() * 1000.0 / batch as f64);
+            }
+        }
+        if i >= WARM_UP_STEPS {
+            ms.push(start.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    Ok(Measured {
+        images_per_sec: ms.iter().map(|m| 1000.0 * batch as f64 / m).collect(),
+        ms_per_batch: ms,
+        sync_share: None,
+        data_wait_share: None,
+        postprocess_ms: with_nms.then_some(nms_ms),
+        peak_mib: peak_mib(),
+    })
+}
+
+fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured> {
+    let index = Arc::new(RecordIndex::build(&bench_records(scratch)?)?);
+    let config = LoaderConfig {
+        batch_size: 8,
+        image_size: [300, 300],
+        augmentations: vec![
+            Augmentation::RandomHorizontalFlip,
+            Augmentation::SsdRandomCrop { operations: vec![] },
+        ],
+        shuffle: true,
+        seed: 1,
+        workers,
+        prefetch: 4,
+    };
+    let mut rates = Vec::new();
+    for round in 0..repeats as u64 {
+        let start = Instant::now();
+        if workers == 1 {
+            for r in 0..index.len() {
+                load_sample(&index, r, &config, round, r)?;
+            }
+        } else {
+            let loader = Loader::new(
+                index.clone(),
+                config.clone(),
+                Position {
+                    epoch: round,
+                    index: 0,
+                },
+            )?;
+            for b in loader.take(index.len() / config.batch_size) {
+                b?;
+            }
+        }
+        rates.push(index.len() as f64 / start.elapsed().as_secs_f64());
+    }
+    Ok(Measured {
+        ms_per_batch: rates.iter().map(|r| 8000.0 / r).collect(),
+        images_per_sec: rates,
+        sync_share: None,
+        data_wait_share: None,
+        postprocess_ms: None,
+        peak_mib: peak_mib(),
+    })
+}
+
+/// The cases `cargo xtask bench` runs: the CPU always, each CUDA device listed.
+pub fn cases(cuda_devices: &[usize], cores: usize) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for batch in [8, 24] {
+        cases.push(Case::Train {
+            devices: "cpu".into(),
+            batch,
+            threads: 0,
+        });
+        cases.push(Case::Train {
+            devices: "cpu".into(),
+            batch,
+            threads: 1,
+        });
+        cases.push(Case::Train {
+            devices: "cpu:2".into(),
+            batch,
+            threads: 0,
+        });
+        for d in cuda_devices {
+            cases.push(Case::Train {
+                devices: d.to_string(),
+                batch,
+                threads: 0,
+            });
+        }
+    }
+    cases.push(Case::Infer {
+        batch: 1,
+        postprocess: false,
+    });
+    cases.push(Case::Infer {
+        batch: 1,
+        postprocess: true,
+    });
+    cases.push(Case::Infer {
+        batch: 8,
+        postprocess: false,
+    });
+    cases.push(Case::Data { workers: 1 });
+    cases.push(Case::Data { workers: cores });
+    cases
+}
+
+fn stats(v: &[f64]) -> [f64; 3] {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return [f64::NAN; 3];
+    }
+    [s[0], s[s.len() / 2], s[s.len() - 1]]
+}
+
+/// Runs every case in a child process, prints the table and writes the JSON report.
+pub fn run_all(cases: &[Case], repeats: usize, out: &Path) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let scratch = tempfile::tempdir()?;
+    let mut report = Vec::new();
+    println!(
+        "{:<44} {:>26} {:>22} {:>7} {:>9}",
+        "case", "images/s min/median/max", "ms per batch (median)", "sync", "peak MiB"
+    );
+    for case in cases {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("bench-case")
+            .arg(serde_json::to_string(case)?)
+            .arg("--scratch")
+            .arg(scratch.path())
+            .arg("--repeats")
+            .arg(repeats.to_string());
+        if let Case::Train { threads, .. } = case
+            && *threads > 0
+        {
+            cmd.env("RAYON_NUM_THREADS", threads.to_string());
+        }
+        let output = cmd
+            .output()
+            .with_context(|| format!("running {}", case.label()))?;
+        if !output.status.success() {
+            bail!(
+                "{} failed: {}",
+                case.label(),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let line = stdout.lines().last().unwrap_or_default();
+        let m: Measured = serde_json::from_str(line)
+            .with_context(|| format!("{}: unexpected output {line:?}", case.label()))?;
+        let [lo, med, hi] = stats(&m.images_per_sec);
+        let ms = stats(&m.ms_per_batch)[1];
+        let sync = m
+            .sync_share
+            .map_or(String::from("-"), |s| format!("{:.1}%", 100.0 * s));
+        println!(
+            "{:<44} {:>8.1} {:>8.1} {:>8.1} {:>22.1} {:>7} {:>9.0}",
+            case.label(),
+            lo,
+            med,
+            hi,
+            ms,
+            sync,
+            m.peak_mib
+        );
+        if let Some(nms) = &m.postprocess_ms {
+            let [a, b, c] = stats(nms);
+            println!(
+                "{:<44} post-processing alone: {a:.2} / {b:.2} / {c:.2} ms per image",
+                ""
+            );
+        }
+        report.push(json!({
+            "case": case,
+            "label": case.label(),
+            "images_per_sec": {"min": lo, "median": med, "max": hi},
+            "ms_per_batch_median": ms,
+            "measured": m,
+        }));
+    }
+    let doc = json!({
+        "unix_time": unix_time(),
+        "cpu_cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "repeats": repeats,
+        "results": report,
+    });
+    std::fs::write(out, serde_json::to_string_pretty(&doc)?)
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!("report: {}", out.display());
+    Ok(())
+}
+
+/// Seconds since the Unix epoch (the report's timestamp).
+fn unix_time() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
