@@ -37,6 +37,11 @@ impl<W: Write> RecordWriter<W> {
         self.inner.write_all(&masked_crc(data).to_le_bytes())
     }
 
+    /// The wrapped writer (e.g. to flush it).
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.inner
+    }
+
     /// Returns the writer.
     pub fn into_inner(self) -> W {
         self.inner

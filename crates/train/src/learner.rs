@@ -36,7 +36,8 @@ use crate::checkpoint::{self, CheckpointFiles, CheckpointState};
 use crate::config::TrainConfig;
 use crate::ema::Ema;
 use crate::eval::run_on_dataset;
-use crate::metrics::{Metrics, evaluate};
+use crate::events::EventWriter;
+use crate::metrics::{COCO_NAMES, Metrics, evaluate};
 use crate::optim::TfOptimizer;
 use crate::sync::{
     BnStats, GradientSync, InProcessAllReduce, bn_stats, flatten_gradients, global_norm,
@@ -449,6 +450,19 @@ pub fn train<B: SsdBackend>(
         writeln!(metrics_file.borrow_mut(), "{v}")
             .with_context(|| format!("writing {}", metrics_path.display()))
     };
+    let events =
+        std::cell::RefCell::new(EventWriter::create(&options.model_dir).with_context(|| {
+            format!(
+                "creating a TensorBoard event file in {}",
+                options.model_dir.display()
+            )
+        })?);
+    let write_events = |step: u64, values: &[(&str, f64)]| -> Result<()> {
+        let mut events = events.borrow_mut();
+        events
+            .scalars(step, values)
+            .with_context(|| format!("writing {}", events.path().display()))
+    };
 
     let class_names: Vec<String> = (1..=config.model.num_classes)
         .map(|i| config.model.class_name(i))
@@ -563,6 +577,19 @@ pub fn train<B: SsdBackend>(
             m.voc_mAP, m.AP, m.AP50
         ));
         write_metrics(json!({"step": step, "eval": m}))?;
+        let tags: Vec<(String, f64)> = COCO_NAMES
+            .iter()
+            .zip(m.coco())
+            .map(|(n, v)| (format!("eval/{n}"), v))
+            .chain(std::iter::once(("eval/voc_mAP".to_string(), m.voc_mAP)))
+            .chain(
+                m.voc_AP
+                    .iter()
+                    .map(|(c, v)| (format!("eval/voc_AP/{c}"), *v)),
+            )
+            .collect();
+        let tags: Vec<(&str, f64)> = tags.iter().map(|(t, v)| (t.as_str(), *v)).collect();
+        write_events(step, &tags)?;
         Ok(Some(m))
     };
     let mut last_snapshot: Option<Snapshot<B>> = None;
@@ -619,6 +646,17 @@ pub fn train<B: SsdBackend>(
             ));
             write_metrics(
                 json!({"step": step, "loss": loss, "learning_rate": lr, "images_per_sec": ips, "seconds": run_start.elapsed().as_secs_f64()}),
+            )?;
+            write_events(
+                step,
+                &[
+                    ("loss/total", loss.total as f64),
+                    ("loss/classification", loss.classification as f64),
+                    ("loss/localization", loss.localization as f64),
+                    ("loss/regularization", loss.regularization as f64),
+                    ("learning_rate", lr),
+                    ("images_per_sec", ips),
+                ],
             )?;
             window = (Instant::now(), 0);
         }

@@ -7,6 +7,7 @@ pub mod config;
 pub mod devices;
 pub mod ema;
 pub mod eval;
+pub mod events;
 pub mod learner;
 pub mod metrics;
 pub mod optim;

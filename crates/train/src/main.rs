@@ -15,7 +15,7 @@ use train::config::TrainConfig;
 use train::devices::cuda_device_count;
 use train::eval::{read_coco, run_on_dataset};
 use train::learner::{RunOptions, train};
-use train::metrics::{Metrics, evaluate};
+use train::metrics::{COCO_NAMES, Metrics, evaluate};
 
 /// mimalloc keeps freed pages for reuse: the training step frees and reallocates the same large
 /// activation buffers every step, which the system allocator returns to the kernel and then
@@ -257,10 +257,7 @@ fn inference_weights(dir: &Path) -> Result<PathBuf> {
 }
 
 fn print_metrics(m: &Metrics) {
-    let names = [
-        "AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl",
-    ];
-    for (n, v) in names.iter().zip(m.coco()) {
+    for (n, v) in COCO_NAMES.iter().zip(m.coco()) {
         println!("{n:>6} {v:.4}");
     }
     println!("VOC mAP@0.5 {:.4}", m.voc_mAP);

@@ -73,6 +73,11 @@ pub struct Metrics {
     pub voc_AP: BTreeMap<String, f64>,
 }
 
+/// Names of the twelve COCO numbers, in pycocotools' order (that of [`Metrics::coco`]).
+pub const COCO_NAMES: [&str; 12] = [
+    "AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl",
+];
+
 impl Metrics {
     /// The twelve COCO numbers in pycocotools' order.
     pub fn coco(&self) -> [f64; 12] {

@@ -19,9 +19,11 @@ use model::loss::compute_loss;
 use model::targets::assign_targets;
 use model::weights::load_weights;
 use model::{Ssd, SsdConfig};
+use prost::Message;
 use train::config::{
     DataSettings, EvalSettings, LearningRate, OptimizerConfig, TrainConfig, TrainSettings,
 };
+use train::events::Event;
 use train::learner::{RunOptions, RunSummary, train};
 use train::optim::TfOptimizer;
 use train::sync::{flatten_gradients, unflatten_gradients};
@@ -135,6 +137,44 @@ fn three_replicas_stay_identical_and_evaluate() {
     let lines = std::fs::read_to_string(runs.path().join("metrics.jsonl")).unwrap();
     assert!(lines.lines().count() >= 4, "{lines}");
     assert!(runs.path().join("ckpt-00000003/ema.mpk").is_file());
+    // the TensorBoard events: the losses of every logged step and the final evaluation
+    let events_file = std::fs::read_dir(runs.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("events.out.tfevents.")
+        })
+        .expect("an event file");
+    let events: Vec<Event> = data::tfrecord::read_all(&events_file)
+        .unwrap()
+        .iter()
+        .map(|r| Event::decode(r.as_slice()).unwrap())
+        .collect();
+    let scalars: Vec<(i64, String, f32)> = events
+        .iter()
+        .filter_map(|e| e.summary.as_ref().map(|s| (e.step, s)))
+        .flat_map(|(step, s)| {
+            s.value
+                .iter()
+                .map(move |v| (step, v.tag.clone(), v.simple_value.unwrap()))
+        })
+        .collect();
+    let total: Vec<i64> = scalars
+        .iter()
+        .filter(|s| s.1 == "loss/total")
+        .map(|s| s.0)
+        .collect();
+    assert_eq!(total, vec![1, 2, 3], "log_every 1");
+    let map = scalars
+        .iter()
+        .find(|s| s.1 == "eval/voc_mAP")
+        .expect("eval scalars");
+    assert_eq!((map.0, map.2), (3, m.voc_mAP as f32));
+    assert!(scalars.iter().any(|s| s.1 == "eval/AP50" && s.0 == 3));
 }
 
 /// Two replicas of batch 2 against one network taking the mean of the gradients of the same
