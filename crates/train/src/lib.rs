@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod detect;
 pub mod devices;
 pub mod ema;
 pub mod eval;

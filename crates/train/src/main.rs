@@ -96,6 +96,32 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Detect objects in images (files, folders or globs) with a checkpoint: each image is
+    /// written as PNG with coloured, labelled boxes and scores, and every detection goes to
+    /// `OUT/detections.json`.
+    Detect {
+        /// Model dir (its latest checkpoint) or a checkpoint folder.
+        #[arg(long)]
+        model_dir: PathBuf,
+        /// Config of the model (default: configs/synthetic.json).
+        #[arg(long, default_value = "configs/synthetic.json")]
+        config: PathBuf,
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+        /// Keep detections scoring at least this.
+        #[arg(long, default_value_t = 0.5)]
+        score_threshold: f32,
+        /// At most this many detections per image.
+        #[arg(long, default_value_t = 20)]
+        max_detections: usize,
+        /// Device: `cpu` or a CUDA ordinal.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Image files, folders or glob patterns.
+        #[arg(required = true)]
+        images: Vec<String>,
+    },
     /// Write a checkpoint's inference weights (its EMA weights when the run keeps them) as
     /// safetensors (names in `model::portable`), and the model config as JSON beside it
     /// (`FILE.json`); `model::Detector::load` takes both.
@@ -216,6 +242,52 @@ fn main() -> Result<()> {
             config,
             out,
         }) => export(&model_dir, &config, &out),
+        Some(Command::Detect {
+            model_dir,
+            config,
+            out,
+            score_threshold,
+            max_detections,
+            device,
+            images,
+        }) => {
+            let config = TrainConfig::load(&config)?;
+            let weights = inference_weights(&model_dir)?;
+            let files = train::detect::image_files(&images)?;
+            fn run<B: SsdBackend>(
+                config: &TrainConfig,
+                weights: &Path,
+                files: &[PathBuf],
+                out: &Path,
+                threshold: f32,
+                max: usize,
+                device: B::Device,
+            ) -> Result<usize> {
+                let detector = model::Detector::<B>::load(config.model.clone(), weights, &device)?;
+                let results = train::detect::detect_files(&detector, files, out, threshold, max)?;
+                Ok(results.iter().map(|r| r.detections.len()).sum())
+            }
+            let (t, m) = (score_threshold, max_detections);
+            let found = match device.as_str() {
+                "cpu" => run::<Flex>(&config, &weights, &files, &out, t, m, Default::default())?,
+                #[cfg(feature = "cuda")]
+                d => {
+                    let i: usize = d
+                        .parse()
+                        .with_context(|| format!("--device {d}: expected cpu or a CUDA ordinal"))?;
+                    let device = burn::backend::cuda::CudaDevice::new(i);
+                    run::<burn::backend::Cuda>(&config, &weights, &files, &out, t, m, device)?
+                }
+                #[cfg(not(feature = "cuda"))]
+                d => bail!("--device {d}: built without the `cuda` feature"),
+            };
+            println!(
+                "{found} detections in {} images; drawn images and detections.json in {}",
+                files.len(),
+                out.display()
+            );
+            Ok(())
+        }
     }
 }
 
@@ -223,6 +295,10 @@ fn export(dir: &Path, config: &Path, out: &Path) -> Result<()> {
     let config = TrainConfig::load(config)?;
     let weights = inference_weights(dir)?;
     let net = model::weights::load_weights::<Flex>(&config.model, &weights, &Default::default())?;
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
     model::portable::save_safetensors(&net, &config.model, out)?;
     let json = out.with_extension("json");
     model::weights::write_atomic(
