@@ -689,6 +689,15 @@ pub fn train<B: SsdBackend>(
     for h in handles {
         let _ = h.join();
     }
+    if step > first_step {
+        match crate::charts::write_charts(&options.model_dir) {
+            Ok(_) => log(format!(
+                "charts: loss.png, learning_rate.png, eval.png in {}",
+                options.model_dir.display()
+            )),
+            Err(e) => log(format!("warning: no charts: {e:#}")),
+        }
+    }
     let seconds = run_start.elapsed().as_secs_f64();
     let steps_this_run = step - first_step;
     let summary = RunSummary {

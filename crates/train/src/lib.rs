@@ -2,10 +2,12 @@
 //! EMA, data-parallel replicas with a bucketed gradient all-reduce, atomic checkpoints with
 //! exact resume, and COCO / PASCAL VOC evaluation.
 
+pub mod charts;
 pub mod checkpoint;
 pub mod config;
 pub mod detect;
 pub mod devices;
+mod draw;
 pub mod ema;
 pub mod eval;
 pub mod events;

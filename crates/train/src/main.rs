@@ -122,6 +122,13 @@ enum Command {
         #[arg(required = true)]
         images: Vec<String>,
     },
+    /// Draw the run's charts (loss parts, learning rate, evaluation metrics over steps) as PNG
+    /// into the model dir from its `metrics.jsonl` (also done at the end of every run).
+    Plot {
+        /// The model dir.
+        #[arg(long)]
+        model_dir: PathBuf,
+    },
     /// Write a checkpoint's inference weights (its EMA weights when the run keeps them) as
     /// safetensors (names in `model::portable`), and the model config as JSON beside it
     /// (`FILE.json`); `model::Detector::load` takes both.
@@ -242,6 +249,12 @@ fn main() -> Result<()> {
             config,
             out,
         }) => export(&model_dir, &config, &out),
+        Some(Command::Plot { model_dir }) => {
+            for f in train::charts::write_charts(&model_dir)? {
+                println!("{}", f.display());
+            }
+            Ok(())
+        }
         Some(Command::Detect {
             model_dir,
             config,
