@@ -94,6 +94,47 @@ pub fn draw_detections(image: &mut RgbImage, detections: &[Detection]) {
     }
 }
 
+/// The first `count` images of an evaluation set with their detections scoring at least 0.5
+/// (at most 20 each) drawn, for TensorBoard. `results[i]` holds record `i`'s detections in
+/// pixels, as `eval::run_on_dataset` returns them.
+pub fn eval_images(
+    index: &data::tfrecord::RecordIndex,
+    results: &[crate::metrics::ImageResult],
+    config: &model::SsdConfig,
+    count: usize,
+) -> Result<Vec<RgbImage>> {
+    let mut images = Vec::new();
+    for (i, result) in results.iter().take(count).enumerate() {
+        let example = data::DetectionExample::decode(&index.read(i)?)
+            .with_context(|| format!("evaluation record {i}"))?;
+        let mut image = image::load_from_memory(&example.encoded)
+            .with_context(|| format!("evaluation record {i}: image"))?
+            .to_rgb8();
+        let (h, w) = (image.height() as f32, image.width() as f32);
+        let detections: Vec<Detection> = result
+            .detections
+            .iter()
+            .filter(|d| d.score >= 0.5)
+            .take(20)
+            .map(|d| Detection {
+                class_id: d.class_id,
+                class_name: config.class_name(d.class_id),
+                score: d.score,
+                bbox: model::BBox::new(
+                    d.bbox.ymin / h,
+                    d.bbox.xmin / w,
+                    d.bbox.ymax / h,
+                    d.bbox.xmax / w,
+                ),
+                pixel_bbox: d.bbox,
+            })
+            .collect();
+        draw_detections(&mut image, &detections);
+        images.push(image);
+    }
+    Ok(images)
+}
+
 /// Detections of one image, as written to `detections.json`.
 #[derive(Debug, Serialize)]
 pub struct ImageDetections {

@@ -46,6 +46,26 @@ pub struct SummaryValue {
     /// The scalar.
     #[prost(float, optional, tag = "2")]
     pub simple_value: Option<f32>,
+    /// An image.
+    #[prost(message, optional, tag = "4")]
+    pub image: Option<SummaryImage>,
+}
+
+/// `tensorflow.Summary.Image`: an encoded (PNG) image.
+#[derive(Clone, PartialEq, Message)]
+pub struct SummaryImage {
+    /// Height in pixels.
+    #[prost(int32, tag = "1")]
+    pub height: i32,
+    /// Width in pixels.
+    #[prost(int32, tag = "2")]
+    pub width: i32,
+    /// 3 = RGB.
+    #[prost(int32, tag = "3")]
+    pub colorspace: i32,
+    /// The PNG bytes.
+    #[prost(bytes = "vec", tag = "4")]
+    pub encoded_image_string: Vec<u8>,
 }
 
 fn now() -> f64 {
@@ -115,8 +135,34 @@ impl EventWriter {
                     .map(|(tag, v)| SummaryValue {
                         tag: tag.to_string(),
                         simple_value: Some(*v as f32),
+                        image: None,
                     })
                     .collect(),
+            }),
+        })
+    }
+
+    /// Writes one event with an RGB image under `tag` at `step` (PNG-encoded), flushed.
+    pub fn image(&mut self, step: u64, tag: &str, image: &image::RgbImage) -> std::io::Result<()> {
+        let mut png = Vec::new();
+        image
+            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+            .map_err(std::io::Error::other)?;
+        self.write(&Event {
+            wall_time: now(),
+            step: step as i64,
+            file_version: None,
+            summary: Some(Summary {
+                value: vec![SummaryValue {
+                    tag: tag.to_string(),
+                    simple_value: None,
+                    image: Some(SummaryImage {
+                        height: image.height() as i32,
+                        width: image.width() as i32,
+                        colorspace: 3,
+                        encoded_image_string: png,
+                    }),
+                }],
             }),
         })
     }
@@ -133,6 +179,8 @@ mod tests {
         w.scalars(10, &[("loss/total", 2.5), ("learning_rate", 0.004)])
             .unwrap();
         w.scalars(20, &[("eval/voc_mAP", 0.75)]).unwrap();
+        let picture = image::RgbImage::from_pixel(4, 3, image::Rgb([200, 10, 10]));
+        w.image(20, "eval/image_0", &picture).unwrap();
         let name = w.path().file_name().unwrap().to_str().unwrap().to_string();
         assert!(name.starts_with("events.out.tfevents."), "{name}");
         // every record's length and payload CRCs check (data's reader verifies both)
@@ -141,7 +189,16 @@ mod tests {
             .iter()
             .map(|r| Event::decode(r.as_slice()).unwrap())
             .collect();
-        assert_eq!(events.len(), 3);
+        assert_eq!(events.len(), 4);
+        let img = events[3].summary.as_ref().unwrap().value[0]
+            .image
+            .as_ref()
+            .unwrap();
+        assert_eq!((img.height, img.width, img.colorspace), (3, 4, 3));
+        let decoded = image::load_from_memory(&img.encoded_image_string)
+            .unwrap()
+            .to_rgb8();
+        assert_eq!(decoded, picture);
         assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
         let s = events[1].summary.as_ref().unwrap();
         assert_eq!(events[1].step, 10);

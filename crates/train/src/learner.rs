@@ -590,6 +590,13 @@ pub fn train<B: SsdBackend>(
             .collect();
         let tags: Vec<(&str, f64)> = tags.iter().map(|(t, v)| (t.as_str(), *v)).collect();
         write_events(step, &tags)?;
+        let drawn = crate::detect::eval_images(eval_index, &results, &config.model, 3)?;
+        for (i, image) in drawn.iter().enumerate() {
+            let mut events = events.borrow_mut();
+            events
+                .image(step, &format!("eval/image_{i}"), image)
+                .with_context(|| format!("writing {}", events.path().display()))?;
+        }
         Ok(Some(m))
     };
     let mut last_snapshot: Option<Snapshot<B>> = None;

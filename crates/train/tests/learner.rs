@@ -160,7 +160,7 @@ fn three_replicas_stay_identical_and_evaluate() {
         .flat_map(|(step, s)| {
             s.value
                 .iter()
-                .map(move |v| (step, v.tag.clone(), v.simple_value.unwrap()))
+                .filter_map(move |v| v.simple_value.map(|x| (step, v.tag.clone(), x)))
         })
         .collect();
     let total: Vec<i64> = scalars
@@ -175,6 +175,15 @@ fn three_replicas_stay_identical_and_evaluate() {
         .expect("eval scalars");
     assert_eq!((map.0, map.2), (3, m.voc_mAP as f32));
     assert!(scalars.iter().any(|s| s.1 == "eval/AP50" && s.0 == 3));
+    // and the first evaluation images with their detections drawn
+    let images: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e.summary.as_ref())
+        .flat_map(|s| s.value.iter())
+        .filter(|v| v.image.is_some())
+        .map(|v| v.tag.as_str())
+        .collect();
+    assert_eq!(images, ["eval/image_0", "eval/image_1", "eval/image_2"]);
 }
 
 /// Two replicas of batch 2 against one network taking the mean of the gradients of the same
