@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use model::mobilenet::SEPARABLE_BLOCKS;
 use model::ops::cpu::{self, Conv};
 
 fn mean_ms(mut f: impl FnMut()) -> f64 {
@@ -20,23 +21,8 @@ fn mean_ms(mut f: impl FnMut()) -> f64 {
 /// `(in, out, input size, stride, depthwise, kernel)` of every backbone convolution.
 fn backbone() -> Vec<(usize, usize, usize, usize, bool, usize)> {
     let mut layers = vec![(3, 32, 300, 2, false, 3)];
-    let blocks = [
-        (1, 64),
-        (2, 128),
-        (1, 128),
-        (2, 256),
-        (1, 256),
-        (2, 512),
-        (1, 512),
-        (1, 512),
-        (1, 512),
-        (1, 512),
-        (1, 512),
-        (2, 1024),
-        (1, 1024),
-    ];
     let (mut channels, mut size) = (32usize, 150usize);
-    for (stride, depth) in blocks {
+    for (stride, depth) in SEPARABLE_BLOCKS {
         layers.push((channels, channels, size, stride, true, 3));
         size = size.div_ceil(stride);
         layers.push((channels, depth, size, 1, false, 1));

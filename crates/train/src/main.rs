@@ -100,12 +100,8 @@ enum Command {
     /// written as PNG with coloured, labelled boxes and scores, and every detection goes to
     /// `OUT/detections.json`.
     Detect {
-        /// Model dir (its latest checkpoint) or a checkpoint folder.
-        #[arg(long)]
-        model_dir: PathBuf,
-        /// Config of the model (default: configs/synthetic.json).
-        #[arg(long, default_value = "configs/synthetic.json")]
-        config: PathBuf,
+        #[command(flatten)]
+        checkpoint: CheckpointArgs,
         /// Output folder.
         #[arg(long)]
         out: PathBuf,
@@ -133,16 +129,23 @@ enum Command {
     /// safetensors (names in `model::portable`), and the model config as JSON beside it
     /// (`FILE.json`); `model::Detector::load` takes both.
     Export {
-        /// Model dir (its latest checkpoint) or a checkpoint folder.
-        #[arg(long)]
-        model_dir: PathBuf,
-        /// Config of the model (default: configs/synthetic.json).
-        #[arg(long, default_value = "configs/synthetic.json")]
-        config: PathBuf,
+        #[command(flatten)]
+        checkpoint: CheckpointArgs,
         /// The safetensors file to write.
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+/// A trained model: its checkpoint and its config.
+#[derive(clap::Args)]
+struct CheckpointArgs {
+    /// Model dir (its latest checkpoint) or a checkpoint folder.
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// Config of the model (default: configs/synthetic.json).
+    #[arg(long, default_value = "configs/synthetic.json")]
+    config: PathBuf,
 }
 
 /// Where to run.
@@ -244,11 +247,9 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Some(Command::Export {
-            model_dir,
-            config,
-            out,
-        }) => export(&model_dir, &config, &out),
+        Some(Command::Export { checkpoint, out }) => {
+            export(&checkpoint.model_dir, &checkpoint.config, &out)
+        }
         Some(Command::Plot { model_dir }) => {
             for f in train::charts::write_charts(&model_dir)? {
                 println!("{}", f.display());
@@ -256,16 +257,15 @@ fn main() -> Result<()> {
             Ok(())
         }
         Some(Command::Detect {
-            model_dir,
-            config,
+            checkpoint,
             out,
             score_threshold,
             max_detections,
             device,
             images,
         }) => {
-            let config = TrainConfig::load(&config)?;
-            let weights = inference_weights(&model_dir)?;
+            let config = TrainConfig::load(&checkpoint.config)?;
+            let weights = inference_weights(&checkpoint.model_dir)?;
             let files = train::detect::image_files(&images)?;
             fn run<B: SsdBackend>(
                 config: &TrainConfig,

@@ -14,41 +14,18 @@ use super::{BatchNormOutput, SsdBackend};
 /// What a convolution's backward pass needs: input, filters, stride, depthwise.
 type ConvState<B> = (FloatTensor<B>, FloatTensor<B>, usize, bool);
 
+/// A convolution node: `N = 3` with a bias (parents x, weight, bias), `N = 2` without.
 #[derive(Debug)]
-struct ConvSame;
+struct ConvSame<const N: usize>;
 
-impl<B: SsdBackend> Backward<B, 3> for ConvSame {
+impl<B: SsdBackend, const N: usize> Backward<B, N> for ConvSame<N> {
     type State = ConvState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_weight, node_bias] = ops.parents;
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let (x, weight, stride, depthwise) = ops.state;
         let out = B::conv_same_backward(x, weight, grad, stride, depthwise);
-        for (node, value) in [
-            (node_x, out.x),
-            (node_weight, out.weight),
-            (node_bias, out.bias),
-        ] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, value);
-            }
-        }
-    }
-}
-
-#[derive(Debug)]
-struct ConvSameNoBias;
-
-impl<B: SsdBackend> Backward<B, 2> for ConvSameNoBias {
-    type State = ConvState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_weight] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (x, weight, stride, depthwise) = ops.state;
-        let out = B::conv_same_backward(x, weight, grad, stride, depthwise);
-        for (node, value) in [(node_x, out.x), (node_weight, out.weight)] {
+        for (node, value) in ops.parents.into_iter().zip([out.x, out.weight, out.bias]) {
             if let Some(node) = node {
                 grads.register::<B>(node.id, value);
             }
@@ -112,7 +89,7 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
                     stride,
                     depthwise,
                 );
-                match ConvSame
+                match ConvSame::<3>
                     .prepare::<C>([x.node, weight.node, bias.node])
                     .compute_bound()
                     .stateful()
@@ -123,7 +100,7 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
             }
             None => {
                 let out = B::conv_same(x.primitive, weight.primitive, None, stride, depthwise);
-                match ConvSameNoBias
+                match ConvSame::<2>
                     .prepare::<C>([x.node, weight.node])
                     .compute_bound()
                     .stateful()
