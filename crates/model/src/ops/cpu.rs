@@ -6,11 +6,29 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 /// Output size and leading padding of TF "SAME" along one axis: `out = ceil(size / stride)`,
-/// total padding `max((out - 1) * stride + kernel - size, 0)`, the smaller half first.
-pub fn same_padding(size: usize, kernel: usize, stride: usize) -> (usize, usize) {
+/// total padding `max((out - 1) * stride + kernel - size, 0)`, the smaller half first:
+/// `(out, before, after)`.
+pub fn same_padding(size: usize, kernel: usize, stride: usize) -> (usize, usize, usize) {
     let out = size.div_ceil(stride);
     let total = ((out.saturating_sub(1)) * stride + kernel).saturating_sub(size);
-    (out, total / 2)
+    (out, total / 2, total - total / 2)
+}
+
+/// Adds `bias[c]` to every plane of channel `c` in `[batch, channels, plane]` data.
+pub fn add_bias(y: &mut [f32], plane: usize, bias: &[f32]) {
+    for (p, out) in y.chunks_mut(plane.max(1)).enumerate() {
+        let v = bias[p % bias.len()];
+        out.iter_mut().for_each(|o| *o += v);
+    }
+}
+
+/// The bias gradient: `dy` of `[batch, channels, plane]` summed per channel.
+pub fn bias_grad(dy: &[f32], plane: usize, channels: usize) -> Vec<f32> {
+    let mut sums = vec![0.0f32; channels];
+    for (p, chunk) in dy.chunks(plane.max(1)).enumerate() {
+        sums[p % channels] += chunk.iter().sum::<f32>();
+    }
+    sums
 }
 
 /// Geometry of one convolution.
@@ -38,8 +56,8 @@ impl Conv {
         kernel: usize,
         stride: usize,
     ) -> Self {
-        let (out_height, pad_top) = same_padding(height, kernel, stride);
-        let (out_width, pad_left) = same_padding(width, kernel, stride);
+        let (out_height, pad_top, _) = same_padding(height, kernel, stride);
+        let (out_width, pad_left, _) = same_padding(width, kernel, stride);
         Self {
             batch,
             in_channels,
@@ -229,11 +247,9 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
             [g.out_channels, g.out_plane(), g.patch()],
             false,
         );
-        if let Some(bias) = bias {
-            for (plane, &v) in out.chunks_mut(g.out_plane()).zip(bias) {
-                plane.iter_mut().for_each(|o| *o += v);
-            }
-        }
+    }
+    if let Some(bias) = bias {
+        add_bias(&mut y, g.out_plane(), bias);
     }
     y
 }
@@ -296,16 +312,10 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> ConvGra
             col2im(g, &dcols, &mut dx[b * image_len..][..image_len]);
         }
     }
-    let mut bias = vec![0.0f32; g.out_channels];
-    for image in dy.chunks(out_len) {
-        for (sum, plane) in bias.iter_mut().zip(image.chunks(g.out_plane())) {
-            *sum += plane.iter().sum::<f32>();
-        }
-    }
     ConvGrads {
         x: dx,
         weight: dw,
-        bias,
+        bias: bias_grad(dy, g.out_plane(), g.out_channels),
     }
 }
 

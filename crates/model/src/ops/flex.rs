@@ -50,11 +50,7 @@ impl SsdBackend for Flex {
         if depthwise {
             let mut y = cpu::depthwise_forward(&g, values(&x), values(&weight));
             if let Some(bias) = &bias {
-                let plane = g.out_height * g.out_width;
-                for (p, out) in y.chunks_mut(plane).enumerate() {
-                    let v = values(bias)[p % g.out_channels];
-                    out.iter_mut().for_each(|o| *o += v);
-                }
+                cpu::add_bias(&mut y, g.out_height * g.out_width, values(bias));
             }
             output(y, shape)
         } else {
@@ -78,11 +74,7 @@ impl SsdBackend for Flex {
         let (x, weight, grad) = (contiguous(&x), contiguous(&weight), contiguous(&grad));
         if depthwise {
             let (dx, dw) = cpu::depthwise_backward(&g, values(&x), values(&weight), values(&grad));
-            let plane = g.out_height * g.out_width;
-            let mut db = vec![0.0f32; g.out_channels];
-            for (p, chunk) in values(&grad).chunks(plane).enumerate() {
-                db[p % g.out_channels] += chunk.iter().sum::<f32>();
-            }
+            let db = cpu::bias_grad(values(&grad), g.out_height * g.out_width, g.out_channels);
             ConvGrads {
                 x: output(dx, x_shape),
                 weight: output(dw, w_shape),

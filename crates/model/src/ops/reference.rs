@@ -20,9 +20,8 @@ fn pad_same<B: Backend>(
 ) -> (Tensor<B, 4>, ConvOptions<2>, [usize; 2]) {
     let [_, _, h, w] = x.shape().dims();
     let pads = |size| {
-        let (out, before) = same_padding(size, kernel, stride);
-        let total = ((out.max(1) - 1) * stride + kernel).saturating_sub(size);
-        (before, total - before)
+        let (_, before, after) = same_padding(size, kernel, stride);
+        (before, after)
     };
     let ((top, bottom), (left, right)) = (pads(h), pads(w));
     let x = tensor::<B, 4>(x).pad((left, right, top, bottom), PadMode::Constant(0.0));
