@@ -151,6 +151,7 @@ fn train_case(devices: &str, batch: usize, scratch: &Path, repeats: usize) -> Re
         model_dir: model_dir.path().to_path_buf(),
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
+        cluster: None,
     };
     let summary = match devices {
         "cpu" => train::<Flex>(&config, &[Default::default()], &options)?,
@@ -247,6 +248,7 @@ fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured>
         seed: 1,
         workers,
         prefetch: 4,
+        share: (0, 1),
     };
     let mut rates = Vec::new();
     for round in 0..repeats as u64 {

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use crate::error::{DataError, Result};
+use crate::textproto::{Message, Scalar, Value};
 
 /// One class of a label map.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,180 +24,35 @@ pub struct LabelMap {
     pub items: Vec<LabelMapItem>,
 }
 
-#[derive(Debug, PartialEq)]
-enum Token {
-    Ident(String),
-    Str(String),
-    Number(String),
-    Open,
-    Close,
-    Colon,
-}
-
-fn tokenize(text: &str) -> std::result::Result<Vec<(usize, Token)>, String> {
-    let mut tokens = Vec::new();
-    let mut chars = text.char_indices().peekable();
-    let mut line = 1;
-    while let Some(&(_, c)) = chars.peek() {
-        match c {
-            '\n' => {
-                line += 1;
-                chars.next();
-            }
-            c if c.is_whitespace() || c == ',' || c == ';' => {
-                chars.next();
-            }
-            '#' => {
-                while chars.peek().is_some_and(|&(_, c)| c != '\n') {
-                    chars.next();
-                }
-            }
-            '{' | '<' => {
-                chars.next();
-                tokens.push((line, Token::Open));
-            }
-            '}' | '>' => {
-                chars.next();
-                tokens.push((line, Token::Close));
-            }
-            ':' => {
-                chars.next();
-                tokens.push((line, Token::Colon));
-            }
-            '\'' | '"' => {
-                chars.next();
-                let mut s = String::new();
-                loop {
-                    match chars.next() {
-                        None | Some((_, '\n')) => {
-                            return Err(format!("line {line}: unterminated string"));
-                        }
-                        Some((_, q)) if q == c => break,
-                        Some((_, '\\')) => match chars.next() {
-                            Some((_, 'n')) => s.push('\n'),
-                            Some((_, 't')) => s.push('\t'),
-                            Some((_, other)) => s.push(other),
-                            None => return Err(format!("line {line}: unterminated string")),
-                        },
-                        Some((_, ch)) => s.push(ch),
-                    }
-                }
-                tokens.push((line, Token::Str(s)));
-            }
-            c if c.is_ascii_digit() || c == '-' || c == '+' || c == '.' => {
-                let mut s = String::new();
-                while let Some(&(_, d)) = chars.peek() {
-                    if d.is_ascii_alphanumeric() || d == '.' || d == '-' || d == '+' {
-                        s.push(d);
-                        chars.next();
-                    } else {
-                        break;
-                    }
-                }
-                tokens.push((line, Token::Number(s)));
-            }
-            c if c.is_alphabetic() || c == '_' => {
-                let mut s = String::new();
-                while let Some(&(_, d)) = chars.peek() {
-                    if d.is_alphanumeric() || d == '_' || d == '.' {
-                        s.push(d);
-                        chars.next();
-                    } else {
-                        break;
-                    }
-                }
-                tokens.push((line, Token::Ident(s)));
-            }
-            other => return Err(format!("line {line}: unexpected character {other:?}")),
-        }
-    }
-    Ok(tokens)
-}
-
-/// Skips one value (scalar or nested message) after a field name.
-fn skip_value(tokens: &[(usize, Token)], mut i: usize) -> usize {
-    if tokens.get(i).is_some_and(|t| t.1 == Token::Colon) {
-        i += 1;
-    }
-    if tokens.get(i).is_some_and(|t| t.1 == Token::Open) {
-        let mut depth = 0;
-        while let Some((_, t)) = tokens.get(i) {
-            match t {
-                Token::Open => depth += 1,
-                Token::Close => {
-                    depth -= 1;
-                    if depth == 0 {
-                        return i + 1;
-                    }
-                }
-                _ => {}
-            }
-            i += 1;
-        }
-        i
-    } else {
-        i + 1
-    }
-}
-
 impl LabelMap {
     /// Parses label-map text. Fields other than `id`, `name` and `display_name` are skipped.
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
-        let tokens = tokenize(text)?;
+        let document = Message::parse(text)?;
         let mut items = Vec::new();
-        let mut i = 0;
-        while i < tokens.len() {
-            let (line, ref t) = tokens[i];
-            match t {
-                Token::Ident(name) if name == "item" => {}
-                other => return Err(format!("line {line}: expected `item`, found {other:?}")),
-            }
-            i += 1;
-            if tokens.get(i).is_some_and(|t| t.1 == Token::Colon) {
-                i += 1;
-            }
-            if tokens.get(i).map(|t| &t.1) != Some(&Token::Open) {
-                return Err(format!("line {line}: expected `{{` after `item`"));
-            }
-            i += 1;
+        for field in &document.fields {
+            let line = field.line;
+            let item = match (&field.name[..], &field.value) {
+                ("item", Value::Message(m)) => m,
+                (name, _) => return Err(format!("line {line}: expected `item`, found `{name}`")),
+            };
             let (mut id, mut name, mut display_name) = (None, None, None);
-            loop {
-                let Some((line, t)) = tokens.get(i) else {
-                    return Err(format!("line {line}: unclosed `item`"));
-                };
-                match t {
-                    Token::Close => {
-                        i += 1;
-                        break;
+            for f in &item.fields {
+                let line = f.line;
+                match (&f.name[..], &f.value) {
+                    ("id", Value::Scalar(Scalar::Number(n))) => {
+                        id = Some(
+                            n.parse::<i64>()
+                                .map_err(|_| format!("line {line}: bad id {n:?}"))?,
+                        );
                     }
-                    Token::Ident(field) => {
-                        let value = match (tokens.get(i + 1), tokens.get(i + 2)) {
-                            (Some((_, Token::Colon)), Some((_, v))) => Some(v),
-                            _ => None,
-                        };
-                        match (field.as_str(), value) {
-                            ("id", Some(Token::Number(n))) => {
-                                id = Some(
-                                    n.parse::<i64>()
-                                        .map_err(|_| format!("line {line}: bad id {n:?}"))?,
-                                );
-                                i += 3;
-                            }
-                            ("name", Some(Token::Str(s))) => {
-                                name = Some(s.clone());
-                                i += 3;
-                            }
-                            ("display_name", Some(Token::Str(s))) => {
-                                display_name = Some(s.clone());
-                                i += 3;
-                            }
-                            ("id" | "name" | "display_name", _) => {
-                                return Err(format!("line {line}: bad value for `{field}`"));
-                            }
-                            _ => i = skip_value(&tokens, i + 1),
-                        }
+                    ("name", Value::Scalar(Scalar::Str(s))) => name = Some(s.clone()),
+                    ("display_name", Value::Scalar(Scalar::Str(s))) => {
+                        display_name = Some(s.clone())
                     }
-                    other => return Err(format!("line {line}: unexpected {other:?} in `item`")),
+                    ("id" | "name" | "display_name", _) => {
+                        return Err(format!("line {line}: bad value for `{}`", f.name));
+                    }
+                    _ => {}
                 }
             }
             let id = id.ok_or_else(|| format!("line {line}: item without `id`"))?;

@@ -1,6 +1,6 @@
 //! Datasets for SSD training: TFRecord files of `tf.train.Example`s with the Object Detection
 //! API's keys, label maps, PASCAL VOC / Oxford-IIIT Pet folders and the built-in synthetic
-//! cats-and-dogs set.
+//! cats-and-dogs set; the protobuf text format of label maps and pipeline configs.
 
 pub mod augment;
 pub mod error;
@@ -10,6 +10,7 @@ pub mod loader;
 pub mod prepare;
 pub mod shards;
 pub mod synthetic;
+pub mod textproto;
 pub mod tfrecord;
 pub mod voc;
 

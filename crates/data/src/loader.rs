@@ -39,6 +39,11 @@ pub struct LoaderConfig {
     pub workers: usize,
     /// Batches prepared ahead.
     pub prefetch: usize,
+    /// Which share of every global batch this loader makes: `(part, parts)` yields the
+    /// `part`-th of `parts` equal consecutive slices (one machine's share in multi-node
+    /// training); `(0, 1)` is the whole batch. Augmentation depends only on the global slot,
+    /// so the shares together equal the whole batch.
+    pub share: (usize, usize),
 }
 
 /// Where the data stream stands: the next sample is number `index` of epoch `epoch`'s order.
@@ -209,12 +214,14 @@ fn batch_start(start: Position, n: u64, records: usize, batch: usize) -> Positio
 fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Result<Batch> {
     let order = epoch_order(index.len(), config.seed, at.epoch, config.shuffle);
     let [h, w] = config.image_size;
+    let (part, parts) = config.share;
+    let len = config.batch_size / parts;
     let mut batch = Batch {
-        images: Vec::with_capacity(config.batch_size * 3 * h * w),
+        images: Vec::with_capacity(len * 3 * h * w),
         image_size: config.image_size,
-        ground_truth: Vec::with_capacity(config.batch_size),
-        records: Vec::with_capacity(config.batch_size),
-        sizes: Vec::with_capacity(config.batch_size),
+        ground_truth: Vec::with_capacity(len),
+        records: Vec::with_capacity(len),
+        sizes: Vec::with_capacity(len),
         next_position: Position {
             epoch: at.epoch,
             index: at.index + config.batch_size,
@@ -223,8 +230,8 @@ fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Resul
     for (slot, &record) in order
         .iter()
         .enumerate()
-        .skip(at.index)
-        .take(config.batch_size)
+        .skip(at.index + part * len)
+        .take(len)
     {
         let (pixels, gt, size) = load_sample(index, record, config, at.epoch, slot)?;
         batch.images.extend(pixels);
@@ -247,6 +254,16 @@ pub struct Loader {
 impl Loader {
     /// Starts the workers at `start`. Fails when the data cannot fill one batch.
     pub fn new(index: Arc<RecordIndex>, config: LoaderConfig, start: Position) -> Result<Self> {
+        let (part, parts) = config.share;
+        if parts == 0 || part >= parts || !config.batch_size.is_multiple_of(parts) {
+            return Err(DataError::invalid(
+                index.files().first().cloned().unwrap_or_default(),
+                format!(
+                    "share {part} of {parts} does not divide a batch of {}",
+                    config.batch_size
+                ),
+            ));
+        }
         if config.batch_size == 0 || index.len() < config.batch_size {
             return Err(DataError::invalid(
                 index.files().first().cloned().unwrap_or_default(),

@@ -185,6 +185,7 @@ fn loader_config(workers: usize) -> LoaderConfig {
         seed: 7,
         workers,
         prefetch: 2,
+        share: (0, 1),
     }
 }
 
@@ -222,6 +223,30 @@ fn loader_is_deterministic_resumable_and_splits_disjointly() {
     // resume exactly after batch 5
     let resumed = run(2, a[5].next_position, 4);
     assert_eq!(resumed, a[6..10].to_vec());
+    // a machine's share of every global batch is the same slice of the whole batch
+    for part in 0..2 {
+        let share = Loader::new(
+            index.clone(),
+            LoaderConfig {
+                share: (part, 2),
+                ..loader_config(2)
+            },
+            Position::default(),
+        )
+        .unwrap()
+        .take(10)
+        .map(|b| b.unwrap());
+        for (whole, mine) in a.iter().zip(share) {
+            assert_eq!(mine, whole.split(2)[part]);
+        }
+    }
+    for bad in [(2, 2), (0, 3), (0, 0)] {
+        let config = LoaderConfig {
+            share: bad,
+            ..loader_config(1)
+        };
+        assert!(Loader::new(index.clone(), config, Position::default()).is_err());
+    }
     // replica splits: disjoint and complete
     for batch in &a {
         let parts = batch.split(2);

@@ -227,8 +227,16 @@ impl Default for EvalSettings {
 }
 
 impl TrainConfig {
-    /// Reads and validates a JSON config.
+    /// Reads and validates a JSON config, or imports a TF Object Detection API
+    /// `pipeline.config` (a `.config` file; what the import ignores is logged as warnings).
     pub fn load(path: &Path) -> Result<Self> {
+        if path.extension().is_some_and(|e| e == "config") {
+            let imported = crate::pipeline_config::import(path)?;
+            for note in &imported.notes {
+                tracing::warn!("{}: {note}", path.display());
+            }
+            return Ok(imported.config);
+        }
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config {}", path.display()))?;
         let config: Self =

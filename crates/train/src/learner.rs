@@ -18,8 +18,8 @@ use burn::module::{AutodiffModule, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 use data::loader::{Batch, Loader, LoaderConfig, Position};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
@@ -33,6 +33,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::checkpoint::{self, CheckpointFiles, CheckpointState};
+use crate::cluster::{Cluster, WsExchange};
 use crate::config::TrainConfig;
 use crate::ema::Ema;
 use crate::eval::run_on_dataset;
@@ -40,8 +41,8 @@ use crate::events::EventWriter;
 use crate::metrics::{COCO_NAMES, Metrics, evaluate};
 use crate::optim::TfOptimizer;
 use crate::sync::{
-    BnStats, GradientSync, InProcessAllReduce, bn_stats, flatten_gradients, global_norm,
-    mean_bn_stats, unflatten_gradients,
+    GradientSync, InProcessAllReduce, bn_stats_flat, flatten_gradients, global_norm,
+    set_bn_stats_flat, unflatten_gradients, weight_checksum,
 };
 
 type Train<B> = Autodiff<B>;
@@ -49,6 +50,8 @@ type Optim<B> = OptimizerAdaptor<TfOptimizer, Ssd<Train<B>>, Train<B>>;
 type Recorder_ = NamedMpkBytesRecorder<FullPrecisionSettings>;
 /// `(step, network, EMA network)` of the last checkpoint.
 type Snapshot<B> = (u64, Ssd<B>, Option<Ssd<B>>);
+/// `(checkpoint dir, network, EMA network)` of a checkpoint just written.
+type Written<B> = (PathBuf, Ssd<B>, Option<Ssd<B>>);
 
 /// How a run is driven.
 #[derive(Debug, Clone)]
@@ -59,6 +62,8 @@ pub struct RunOptions {
     pub stop: Arc<AtomicBool>,
     /// Print progress lines.
     pub verbose: bool,
+    /// This process's place in a multi-node run; `None` trains on this machine alone.
+    pub cluster: Option<Cluster>,
 }
 
 /// The loss parts of a step, averaged over replicas.
@@ -99,14 +104,18 @@ pub struct RunSummary {
     pub checkpoint: Option<PathBuf>,
 }
 
-enum Command<B: Backend> {
+enum Command {
     Step {
         batch: Batch,
         learning_rate: f64,
         step: u64,
     },
-    BnStats,
-    SetBnStats(BnStats<B>),
+    /// Check that every replica everywhere starts from the same step and weights.
+    Join {
+        step: u64,
+    },
+    /// Replace the BatchNorm moving statistics by their mean over all replicas.
+    AverageBnStats,
     Snapshot,
 }
 
@@ -115,7 +124,6 @@ enum Reply<B: Backend> {
         loss: LossValues,
         sync_seconds: f64,
     },
-    BnStats(BnStats<B>),
     Snapshot {
         weights: Vec<u8>,
         optimizer: Vec<u8>,
@@ -163,13 +171,41 @@ impl<B: SsdBackend> Replica<B> {
             total: value(&loss.total),
         };
         let grads = GradientsParams::from_grads(loss.total.backward(), &self.model);
-        let (layout, buckets) = flatten_gradients(&self.model, grads);
+        let (layout, mut buckets) = flatten_gradients(&self.model, grads);
         if self.trainable.is_empty() {
             self.trainable = crate::sync::trainable_ids(&layout).into_iter().collect();
         }
+        // the loss parts ride at the end of the last bucket: their mean over all replicas
+        // comes back with the gradients, at no extra exchange
+        let parts = [
+            values.classification,
+            values.localization,
+            values.regularization,
+            values.total,
+        ];
+        let last = buckets
+            .pop()
+            .ok_or("the model has no trainable parameter")?;
+        let extra = Tensor::from_data(TensorData::new(parts.to_vec(), [4]), &self.device);
+        buckets.push(Tensor::cat(vec![last, extra], 0));
         let start = Instant::now();
         let mut buckets = self.sync.all_reduce_mean(self.index, buckets)?;
         let sync_seconds = start.elapsed().as_secs_f64();
+        let last = buckets.pop().ok_or("the exchange returned no buckets")?;
+        let n = last.dims()[0] - 4;
+        let mean: Vec<f32> = last
+            .clone()
+            .narrow(0, n, 4)
+            .into_data()
+            .to_vec()
+            .map_err(|e| format!("{e:?}"))?;
+        buckets.push(last.narrow(0, 0, n));
+        let values = LossValues {
+            classification: mean[0],
+            localization: mean[1],
+            regularization: mean[2],
+            total: mean[3],
+        };
         if let Some(max_norm) = self.config.train.gradient_clipping_by_norm {
             let norm = global_norm(&buckets);
             if norm > max_norm {
@@ -188,18 +224,44 @@ impl<B: SsdBackend> Replica<B> {
         })
     }
 
-    fn handle(&mut self, command: Command<B>) -> Result<Reply<B>, String> {
+    fn handle(&mut self, command: Command) -> Result<Reply<B>, String> {
         match command {
             Command::Step {
                 batch,
                 learning_rate,
                 step,
             } => self.step(batch, learning_rate, step),
-            Command::BnStats => Ok(Reply::BnStats(bn_stats(&self.model.valid()))),
-            Command::SetBnStats(stats) => {
-                for (bn, (mean, var)) in self.model.batch_norms().into_iter().zip(stats) {
-                    bn.set_moving_stats(Tensor::from_inner(mean), Tensor::from_inner(var));
+            Command::Join { step } => {
+                // every replica of every node must start from the same step and weights (a
+                // node that cannot see the checkpoint would silently start afresh)
+                let checksum = weight_checksum(&self.model.valid());
+                // small integers: their mean over identical replicas is exact in f32
+                let mine = [step as f32, (checksum % 65_536) as f32];
+                let probe = Tensor::from_data(TensorData::new(mine.to_vec(), [2]), &self.device);
+                let all = self.sync.all_reduce_mean(self.index, vec![probe])?;
+                let mean: Vec<f32> = all[0]
+                    .clone()
+                    .into_data()
+                    .to_vec()
+                    .map_err(|e| format!("{e:?}"))?;
+                let same = mine.iter().zip(&mean).all(|(a, b)| (a - b).abs() < 0.25);
+                if !same {
+                    return Err(format!(
+                        "the replicas do not start from the same point: this one is at step {step} (weights hash {}), the mean over all replicas is step {} (hash {}); every node needs the same config and model dir contents (shared storage or a copy of the latest checkpoint)",
+                        mine[1], mean[0], mean[1]
+                    ));
                 }
+                Ok(Reply::Done)
+            }
+            Command::AverageBnStats => {
+                let model = self.model.valid();
+                let flat = bn_stats_flat(&model);
+                let mean = self
+                    .sync
+                    .all_reduce_mean(self.index, vec![flat])?
+                    .pop()
+                    .ok_or("the exchange returned nothing")?;
+                set_bn_stats_flat(&self.model, Tensor::from_inner(mean));
                 Ok(Reply::Done)
             }
             Command::Snapshot => {
@@ -218,7 +280,7 @@ impl<B: SsdBackend> Replica<B> {
 
     fn run(
         mut self,
-        commands: Receiver<Command<B>>,
+        commands: Receiver<Command>,
         replies: Sender<(usize, Result<Reply<B>, String>)>,
     ) {
         while let Ok(command) = commands.recv() {
@@ -328,9 +390,18 @@ pub fn train<B: SsdBackend>(
     if replicas == 0 {
         bail!("no device to train on");
     }
+    let (nodes, rank) = options
+        .cluster
+        .as_ref()
+        .map_or((1, 0), |c| (c.nodes, c.rank));
+    // rank 0 writes checkpoints, metrics and events, and evaluates
+    let leader = rank == 0;
     let batch_size = config.train.batch_size;
-    if !batch_size.is_multiple_of(replicas) {
-        bail!("`train.batch_size` {batch_size} does not split evenly over {replicas} replicas");
+    if !batch_size.is_multiple_of(replicas * nodes) {
+        bail!(
+            "`train.batch_size` {batch_size} does not split evenly over {} replicas",
+            replicas * nodes
+        );
     }
     std::fs::create_dir_all(&options.model_dir)
         .with_context(|| format!("creating {}", options.model_dir.display()))?;
@@ -344,16 +415,30 @@ pub fn train<B: SsdBackend>(
         )?)
     };
     log(format!(
-        "{} training records in {} files; global batch {batch_size} = {replicas} replica(s) x {}",
+        "{} training records in {} files; global batch {batch_size} = {nodes} node(s) x {replicas} replica(s) x {}",
         index.len(),
         train_files.len(),
-        batch_size / replicas
+        batch_size / replicas / nodes
     ));
     let start = starting_point::<B>(config, &options.model_dir, &devices[0], &log)?;
     let start_weights = weights_to_bytes(&start.model.valid());
     let anchors = Arc::new(model::ssd::anchors(&config.model));
     let shared_config = Arc::new(config.clone());
-    let sync: Arc<dyn GradientSync<B>> = Arc::new(InProcessAllReduce::<B>::new(replicas));
+    let sync: Arc<dyn GradientSync<B>> = match &options.cluster {
+        Some(cluster) => {
+            log(format!(
+                "node {rank} of {nodes}: connecting through {}",
+                cluster.coordinator
+            ));
+            let exchange = WsExchange::connect(cluster, replicas)?;
+            log(format!("node {rank} of {nodes}: all nodes connected"));
+            Arc::new(InProcessAllReduce::<B>::across_nodes(
+                replicas,
+                Arc::new(exchange),
+            ))
+        }
+        None => Arc::new(InProcessAllReduce::<B>::new(replicas)),
+    };
     let (reply_tx, reply_rx) = channel();
     let mut senders = Vec::new();
     let mut handles = Vec::new();
@@ -405,7 +490,7 @@ pub fn train<B: SsdBackend>(
     drop(reply_tx);
     let device_name = |i: usize| format!("{:?}", devices[i]);
     // Sends one command to every replica and collects the replies in replica order.
-    let broadcast = |make: &mut dyn FnMut(usize) -> Command<B>| -> Result<Vec<Reply<B>>> {
+    let broadcast = |make: &mut dyn FnMut(usize) -> Command| -> Result<Vec<Reply<B>>> {
         for (i, s) in senders.iter().enumerate() {
             if s.send(make(i)).is_err() {
                 bail!("replica {i} on {} stopped", device_name(i));
@@ -436,28 +521,44 @@ pub fn train<B: SsdBackend>(
             config.data.workers
         },
         prefetch: config.data.prefetch,
+        share: (rank, nodes),
     };
     let mut loader = Loader::new(index.clone(), loader_config, start.position)?;
+    // every replica of every node joins the exchange and checks it starts where the others do
+    broadcast(&mut |_| Command::Join { step: start.step })?;
     let metrics_path = options.model_dir.join("metrics.jsonl");
-    let metrics_file = std::cell::RefCell::new(
-        OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&metrics_path)
-            .with_context(|| format!("opening {}", metrics_path.display()))?,
-    );
-    let write_metrics = |v: serde_json::Value| -> Result<()> {
-        writeln!(metrics_file.borrow_mut(), "{v}")
-            .with_context(|| format!("writing {}", metrics_path.display()))
+    let metrics_file = match leader {
+        true => Some(std::cell::RefCell::new(
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&metrics_path)
+                .with_context(|| format!("opening {}", metrics_path.display()))?,
+        )),
+        false => None,
     };
-    let events =
-        std::cell::RefCell::new(EventWriter::create(&options.model_dir).with_context(|| {
-            format!(
-                "creating a TensorBoard event file in {}",
-                options.model_dir.display()
-            )
-        })?);
+    let write_metrics = |v: serde_json::Value| -> Result<()> {
+        match &metrics_file {
+            Some(file) => writeln!(file.borrow_mut(), "{v}")
+                .with_context(|| format!("writing {}", metrics_path.display())),
+            None => Ok(()),
+        }
+    };
+    let events = match leader {
+        true => Some(std::cell::RefCell::new(
+            EventWriter::create(&options.model_dir).with_context(|| {
+                format!(
+                    "creating a TensorBoard event file in {}",
+                    options.model_dir.display()
+                )
+            })?,
+        )),
+        false => None,
+    };
     let write_events = |step: u64, values: &[(&str, f64)]| -> Result<()> {
+        let Some(events) = &events else {
+            return Ok(());
+        };
         let mut events = events.borrow_mut();
         events
             .scalars(step, values)
@@ -480,83 +581,66 @@ pub fn train<B: SsdBackend>(
     let mut data_wait_seconds = 0.0;
     let first_step = step;
 
-    // Average BatchNorm statistics over replicas, then snapshot replica 0.
-    let snapshot =
-        |step: u64, position: Position, lr: f64| -> Result<(PathBuf, Ssd<B>, Option<Ssd<B>>)> {
-            if replicas > 1 {
-                let stats: Vec<_> = broadcast(&mut |_| Command::BnStats)?
-                    .into_iter()
-                    .map(|r| match r {
-                        Reply::BnStats(s) => s,
-                        _ => unreachable!("BnStats answers BnStats"),
-                    })
-                    .collect();
-                let averaged = mean_bn_stats(&stats, &devices[0]);
-                broadcast(&mut |i| {
-                    Command::SetBnStats(
-                        averaged
-                            .iter()
-                            .map(|(m, v)| {
-                                (
-                                    m.clone().to_device(&devices[i]),
-                                    v.clone().to_device(&devices[i]),
-                                )
-                            })
-                            .collect(),
-                    )
-                })?;
-            }
-            let mut snapshots: Vec<_> = broadcast(&mut |_| Command::Snapshot)?
-                .into_iter()
-                .map(|r| match r {
-                    Reply::Snapshot {
-                        weights,
-                        optimizer,
-                        ema,
-                        model,
-                    } => (weights, optimizer, ema, model),
-                    _ => unreachable!("Snapshot answers Snapshot"),
-                })
-                .collect();
-            // the replicas must hold bit-identical weights (and, after the averaging above,
-            // BatchNorm statistics)
-            if let Some(i) = snapshots.iter().position(|s| s.0 != snapshots[0].0) {
-                bail!(
-                    "replica {i} on {} diverged from replica 0 at step {step}",
-                    device_name(i)
-                );
-            }
-            let (weights, optimizer, ema, model) = snapshots.swap_remove(0);
-            let ema_model = match &ema {
-                Some(bytes) => Some(weights_from_bytes::<B>(
-                    &config.model,
-                    bytes.clone(),
-                    Path::new("ema"),
-                    &devices[0],
-                )?),
-                None => None,
-            };
-            let state = CheckpointState {
-                step,
-                position,
-                seed: config.train.seed,
-                learning_rate: lr,
-                replicas,
-                has_ema: ema.is_some(),
-            };
-            let dir = checkpoint::save(
-                &options.model_dir,
-                &state,
-                &CheckpointFiles {
+    // Average BatchNorm statistics over all replicas, then (on the leader) snapshot replica 0
+    // and write the checkpoint.
+    let snapshot = |step: u64, position: Position, lr: f64| -> Result<Option<Written<B>>> {
+        if replicas * nodes > 1 {
+            broadcast(&mut |_| Command::AverageBnStats)?;
+        }
+        if !leader {
+            return Ok(None);
+        }
+        let mut snapshots: Vec<_> = broadcast(&mut |_| Command::Snapshot)?
+            .into_iter()
+            .map(|r| match r {
+                Reply::Snapshot {
                     weights,
                     optimizer,
                     ema,
-                },
-                config.train.keep_checkpoints,
-            )
-            .context("writing a checkpoint (the previous one is kept)")?;
-            Ok((dir, *model, ema_model))
+                    model,
+                } => (weights, optimizer, ema, model),
+                _ => unreachable!("Snapshot answers Snapshot"),
+            })
+            .collect();
+        // the replicas must hold bit-identical weights (and, after the averaging above,
+        // BatchNorm statistics)
+        if let Some(i) = snapshots.iter().position(|s| s.0 != snapshots[0].0) {
+            bail!(
+                "replica {i} on {} diverged from replica 0 at step {step}",
+                device_name(i)
+            );
+        }
+        let (weights, optimizer, ema, model) = snapshots.swap_remove(0);
+        let ema_model = match &ema {
+            Some(bytes) => Some(weights_from_bytes::<B>(
+                &config.model,
+                bytes.clone(),
+                Path::new("ema"),
+                &devices[0],
+            )?),
+            None => None,
         };
+        let state = CheckpointState {
+            step,
+            position,
+            seed: config.train.seed,
+            learning_rate: lr,
+            replicas,
+            has_ema: ema.is_some(),
+        };
+        let dir = checkpoint::save(
+            &options.model_dir,
+            &state,
+            &CheckpointFiles {
+                weights,
+                optimizer,
+                ema,
+            },
+            config.train.keep_checkpoints,
+        )
+        .context("writing a checkpoint (the previous one is kept)")?;
+        Ok(Some((dir, *model, ema_model)))
+    };
     // Evaluates the snapshot (its EMA weights when present), logs and records the metrics.
     let evaluate_now = |step: u64, snapshot: &Option<Snapshot<B>>| -> Result<Option<Metrics>> {
         let (Some(eval_index), Some((_, model, ema))) = (&eval_index, snapshot) else {
@@ -592,6 +676,7 @@ pub fn train<B: SsdBackend>(
         write_events(step, &tags)?;
         let drawn = crate::detect::eval_images(eval_index, &results, &config.model, 3)?;
         for (i, image) in drawn.iter().enumerate() {
+            let Some(events) = &events else { break };
             let mut events = events.borrow_mut();
             events
                 .image(step, &format!("eval/image_{i}"), image)
@@ -601,6 +686,7 @@ pub fn train<B: SsdBackend>(
     };
     let mut last_snapshot: Option<Snapshot<B>> = None;
     let mut evaluated_at = u64::MAX;
+    let mut snapshot_step = u64::MAX;
 
     let num_steps = config.train.num_steps;
     while step < num_steps && !options.stop.load(Ordering::Relaxed) {
@@ -615,6 +701,7 @@ pub fn train<B: SsdBackend>(
             learning_rate: lr,
             step,
         })?;
+        // every replica holds the loss averaged over all replicas
         let mut loss = LossValues::default();
         for r in &replies {
             if let Reply::Stepped {
@@ -622,10 +709,7 @@ pub fn train<B: SsdBackend>(
                 sync_seconds: s,
             } = r
             {
-                loss.classification += l.classification / replicas as f32;
-                loss.localization += l.localization / replicas as f32;
-                loss.regularization += l.regularization / replicas as f32;
-                loss.total += l.total / replicas as f32;
+                loss = *l;
                 sync_seconds += s / replicas as f64;
             }
         }
@@ -669,10 +753,12 @@ pub fn train<B: SsdBackend>(
         }
         let eval_due = config.eval.every > 0 && step.is_multiple_of(config.eval.every);
         if step.is_multiple_of(config.train.checkpoint_every) || eval_due {
-            let (dir, model, ema) = snapshot(step, position, lr)?;
-            log(format!("checkpoint {}", dir.display()));
-            last_checkpoint = Some(dir);
-            last_snapshot = Some((step, model, ema));
+            snapshot_step = step;
+            if let Some((dir, model, ema)) = snapshot(step, position, lr)? {
+                log(format!("checkpoint {}", dir.display()));
+                last_checkpoint = Some(dir);
+                last_snapshot = Some((step, model, ema));
+            }
             if eval_due {
                 last_metrics = evaluate_now(step, &last_snapshot)?;
                 evaluated_at = step;
@@ -682,8 +768,9 @@ pub fn train<B: SsdBackend>(
     // the end of the run (or a stop request): a checkpoint and, unless interrupted, a final
     // evaluation, each unless this step already has one
     if step > first_step {
-        if last_snapshot.as_ref().is_none_or(|s| s.0 != step) {
-            let (dir, model, ema) = snapshot(step, position, lr)?;
+        if snapshot_step != step
+            && let Some((dir, model, ema)) = snapshot(step, position, lr)?
+        {
             log(format!("checkpoint {}", dir.display()));
             last_checkpoint = Some(dir);
             last_snapshot = Some((step, model, ema));
@@ -696,7 +783,7 @@ pub fn train<B: SsdBackend>(
     for h in handles {
         let _ = h.join();
     }
-    if step > first_step {
+    if step > first_step && leader {
         match crate::charts::write_charts(&options.model_dir) {
             Ok(_) => log(format!(
                 "charts: loss.png, learning_rate.png, eval.png in {}",

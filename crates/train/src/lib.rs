@@ -4,6 +4,7 @@
 
 pub mod charts;
 pub mod checkpoint;
+pub mod cluster;
 pub mod config;
 pub mod detect;
 pub mod devices;
@@ -14,4 +15,5 @@ pub mod events;
 pub mod learner;
 pub mod metrics;
 pub mod optim;
+pub mod pipeline_config;
 pub mod sync;

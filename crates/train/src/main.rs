@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use burn::backend::Flex;
@@ -11,6 +12,7 @@ use clap::{Parser, Subcommand};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
 use model::ops::SsdBackend;
+use train::cluster::Cluster;
 use train::config::TrainConfig;
 use train::devices::cuda_device_count;
 use train::eval::{read_coco, run_on_dataset};
@@ -67,6 +69,22 @@ struct TrainArgs {
     /// Skip evaluation (benchmarks).
     #[arg(long, conflicts_with = "eval_data")]
     no_eval: bool,
+    /// Machines (processes) in a multi-node run; each runs this command with its own
+    /// `--node-rank` and its local `--devices`.
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// This node's rank, 0..nodes. Rank 0 serves the coordinator address, writes checkpoints
+    /// and evaluates.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// The coordinator, `ws://HOST:PORT` with HOST the rank-0 machine: rank 0 listens on PORT,
+    /// the others connect to it (needed with --nodes).
+    #[arg(long)]
+    coordinator: Option<String>,
+    /// Seconds to wait for the other nodes (to connect, or in one exchange) before ending the
+    /// run with an error; rank 0's evaluations must fit in it.
+    #[arg(long, default_value_t = 300.0)]
+    node_timeout: f64,
 }
 
 #[derive(Subcommand)]
@@ -117,6 +135,16 @@ enum Command {
         /// Image files, folders or glob patterns.
         #[arg(required = true)]
         images: Vec<String>,
+    },
+    /// Convert a TF Object Detection API `pipeline.config` into a JSON training config,
+    /// listing every setting that is ignored or still to be filled in (an unsupported setting
+    /// is an error). `--config` also takes a `.config` file directly.
+    ImportConfig {
+        /// The `pipeline.config` file.
+        pipeline: PathBuf,
+        /// The JSON config to write.
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Draw the run's charts (loss parts, learning rate, evaluation metrics over steps) as PNG
     /// into the model dir from its `metrics.jsonl` (also done at the end of every run).
@@ -249,6 +277,17 @@ fn main() -> Result<()> {
         }
         Some(Command::Export { checkpoint, out }) => {
             export(&checkpoint.model_dir, &checkpoint.config, &out)
+        }
+        Some(Command::ImportConfig { pipeline, out }) => {
+            let imported = train::pipeline_config::import(&pipeline)?;
+            for note in &imported.notes {
+                eprintln!("note: {note}");
+            }
+            let json = serde_json::to_string_pretty(&imported.config)? + "\n";
+            model::weights::write_atomic(&out, json.as_bytes())
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("wrote {}", out.display());
+            Ok(())
         }
         Some(Command::Plot { model_dir }) => {
             for f in train::charts::write_charts(&model_dir)? {
@@ -461,10 +500,27 @@ fn run_training(args: TrainArgs) -> Result<()> {
         })
         .context("installing the Ctrl-C handler")?;
     }
+    let cluster = match (args.nodes, &args.coordinator) {
+        (1, None) => None,
+        (1, Some(_)) => bail!("--coordinator needs --nodes N with N >= 2"),
+        (_, None) => bail!("--nodes {} needs --coordinator ws://HOST:PORT", args.nodes),
+        (nodes, Some(coordinator)) => {
+            if !(args.node_timeout.is_finite() && args.node_timeout > 0.0) {
+                bail!("--node-timeout must be a positive number of seconds");
+            }
+            Some(Cluster::new(
+                nodes,
+                args.node_rank,
+                coordinator,
+                Duration::from_secs_f64(args.node_timeout),
+            )?)
+        }
+    };
     let options = RunOptions {
         model_dir: model_dir.clone(),
         stop,
         verbose: true,
+        cluster,
     };
     let summary = match devices {
         Devices::Cpu(n) => train::<Flex>(&config, &vec![Default::default(); n], &options)?,

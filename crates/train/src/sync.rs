@@ -6,8 +6,8 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
 use model::Ssd;
 
 /// Averages gradient buckets over replicas.
@@ -31,11 +31,44 @@ struct Round<B: Backend> {
     aborted: Option<String>,
 }
 
+/// Sums values over the machines of a multi-node run.
+pub trait NodeExchange: Send + Sync {
+    /// Number of machines.
+    fn nodes(&self) -> usize;
+
+    /// Called by one thread per machine with that machine's sum (the same length on every
+    /// machine); returns the sum over the machines, formed by [`pairwise_sum`] in rank order,
+    /// identical on all of them.
+    fn sum_over_nodes(&self, values: Vec<f32>) -> Result<Vec<f32>, String>;
+}
+
+/// Sums `items` as a balanced tree in order: `((a + b) + (c + d)) + e`. Replicas on several
+/// machines sum their local group first and then the machines' sums; with this order (and
+/// equal power-of-two groups) that is exactly the sum one machine forms over all of them, so
+/// a multi-node run reproduces a single-node run bit for bit.
+pub fn pairwise_sum<T>(mut items: Vec<T>, add: impl Fn(T, T) -> T) -> T {
+    assert!(!items.is_empty(), "nothing to sum");
+    while items.len() > 1 {
+        let mut next = Vec::with_capacity(items.len().div_ceil(2));
+        let mut it = items.into_iter();
+        while let Some(a) = it.next() {
+            next.push(match it.next() {
+                Some(b) => add(a, b),
+                None => a,
+            });
+        }
+        items = next;
+    }
+    items.pop().expect("one left")
+}
+
 /// All-reduce between threads of one process: the sum is formed on the first replica's
 /// device in replica order (so it is deterministic), divided by the replica count, and copied
-/// to every replica's device.
+/// to every replica's device. In a multi-node run that local mean is then averaged over the
+/// machines (every machine has the same number of replicas) before the replicas get it.
 pub struct InProcessAllReduce<B: Backend> {
     replicas: usize,
+    nodes: Option<Arc<dyn NodeExchange>>,
     state: Mutex<Round<B>>,
     signal: Condvar,
 }
@@ -45,6 +78,7 @@ impl<B: Backend> InProcessAllReduce<B> {
     pub fn new(replicas: usize) -> Self {
         Self {
             replicas,
+            nodes: None,
             state: Mutex::new(Round {
                 deposits: vec![None; replicas],
                 result: None,
@@ -54,6 +88,46 @@ impl<B: Backend> InProcessAllReduce<B> {
             signal: Condvar::new(),
         }
     }
+
+    /// A reducer for `replicas` local participants whose mean is averaged over machines by
+    /// `nodes`.
+    pub fn across_nodes(replicas: usize, nodes: Arc<dyn NodeExchange>) -> Self {
+        Self {
+            nodes: Some(nodes),
+            ..Self::new(replicas)
+        }
+    }
+}
+
+impl<B: Backend> InProcessAllReduce<B> {
+    /// The mean over every replica of every machine, from this machine's sum.
+    fn finish(&self, sum: Vec<Tensor<B, 1>>) -> Result<Vec<Tensor<B, 1>>, String> {
+        let Some(nodes) = &self.nodes else {
+            let n = self.replicas as f64;
+            return Ok(sum.into_iter().map(|s| s.div_scalar(n)).collect());
+        };
+        let device = sum
+            .first()
+            .map(|b| b.device())
+            .ok_or("no gradients to exchange")?;
+        let sizes: Vec<usize> = sum.iter().map(|b| b.dims()[0]).collect();
+        let flat = Tensor::cat(sum, 0)
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))?;
+        let total = nodes.sum_over_nodes(flat)?;
+        let n = (self.replicas * nodes.nodes()) as f64;
+        let mut offset = 0;
+        Ok(sizes
+            .into_iter()
+            .map(|len| {
+                let part = total[offset..offset + len].to_vec();
+                offset += len;
+                Tensor::<B, 1>::from_data(TensorData::new(part, [len]), &device).div_scalar(n)
+            })
+            .collect())
+    }
 }
 
 impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
@@ -62,8 +136,11 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
         replica: usize,
         buckets: Vec<Tensor<B, 1>>,
     ) -> Result<Vec<Tensor<B, 1>>, String> {
-        if self.replicas == 1 {
+        if self.replicas == 1 && self.nodes.is_none() {
             return Ok(buckets);
+        }
+        if self.replicas == 1 {
+            return self.finish(buckets);
         }
         let device = buckets
             .first()
@@ -92,20 +169,27 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
         }
         state.deposits[replica] = Some(buckets);
         if state.deposits.iter().all(Option::is_some) {
-            let mut all = state
+            let all: Vec<Vec<Tensor<B, 1>>> = state
                 .deposits
                 .iter_mut()
-                .map(|d| d.take().expect("all deposited"));
-            let first = all.next().expect("at least two replicas");
-            let root = first[0].device();
-            let mut sum = first;
-            for other in all {
-                for (s, o) in sum.iter_mut().zip(other) {
-                    *s = s.clone() + o.to_device(&root);
+                .map(|d| d.take().expect("all deposited"))
+                .collect();
+            let root = all[0][0].device();
+            let sum = pairwise_sum(all, |a, b| {
+                a.into_iter()
+                    .zip(b)
+                    .map(|(a, b)| a + b.to_device(&root))
+                    .collect()
+            });
+            let mean = match self.finish(sum) {
+                Ok(mean) => mean,
+                Err(why) => {
+                    state.aborted = Some(why.clone());
+                    self.signal.notify_all();
+                    return Err(why);
                 }
-            }
-            let n = self.replicas as f64;
-            state.result = Some(Arc::new(sum.into_iter().map(|s| s.div_scalar(n)).collect()));
+            };
+            state.result = Some(Arc::new(mean));
             self.signal.notify_all();
         } else {
             while state.result.is_none() && state.aborted.is_none() {
@@ -254,55 +338,52 @@ pub fn trainable_ids(layout: &BucketLayout) -> Vec<ParamId> {
     layout.params.iter().map(|(id, _)| *id).collect()
 }
 
-/// BatchNorm moving statistics of one network: `(mean, variance)` per BatchNorm.
-pub type BnStats<B> = Vec<(Tensor<B, 1>, Tensor<B, 1>)>;
+struct Checksum(std::hash::DefaultHasher);
 
-/// The element-wise mean of several replicas' BatchNorm statistics, on `device`.
-pub fn mean_bn_stats<B: Backend>(all: &[BnStats<B>], device: &B::Device) -> BnStats<B> {
-    let n = all.len() as f64;
-    let mut sum: BnStats<B> = Vec::new();
-    for stats in all {
-        for (k, (mean, var)) in stats.iter().enumerate() {
-            let (mean, var) = (
-                mean.clone().to_device(device),
-                var.clone().to_device(device),
-            );
-            match sum.get_mut(k) {
-                Some(s) => *s = (s.0.clone() + mean, s.1.clone() + var),
-                None => sum.push((mean, var)),
-            }
+impl<B: Backend> ModuleVisitor<B> for Checksum {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        use std::hash::Hash;
+        let data = param.val().into_data();
+        match data.as_slice::<f32>() {
+            Ok(values) => values.iter().for_each(|v| v.to_bits().hash(&mut self.0)),
+            Err(_) => data.as_bytes().hash(&mut self.0),
         }
     }
-    sum.into_iter()
-        .map(|(m, v)| (m.div_scalar(n), v.div_scalar(n)))
-        .collect()
 }
 
-/// Replaces the BatchNorm moving statistics of `model` by their mean over `all` replicas' stats.
-pub fn average_bn_stats<B: Backend>(model: &Ssd<B>, all: &[BnStats<B>]) {
-    let Some(device) = model
-        .batch_norms()
-        .first()
-        .map(|bn| bn.gamma.val().device())
-    else {
-        return;
-    };
-    for (bn, (mean, var)) in model
+/// A hash of every weight value of `model` in module order (not of the parameter ids, which
+/// differ between processes): equal weights give equal checksums on every machine.
+pub fn weight_checksum<B: Backend>(model: &Ssd<B>) -> u64 {
+    use std::hash::Hasher;
+    let mut v = Checksum(std::hash::DefaultHasher::new());
+    burn::module::Module::visit(model, &mut v);
+    v.0.finish()
+}
+
+/// The BatchNorm moving statistics of `model` as one flat tensor: every BatchNorm's mean, then
+/// its variance, in module order (what replicas average before a checkpoint).
+pub fn bn_stats_flat<B: Backend>(model: &Ssd<B>) -> Tensor<B, 1> {
+    let parts: Vec<Tensor<B, 1>> = model
         .batch_norms()
         .into_iter()
-        .zip(mean_bn_stats(all, &device))
-    {
+        .flat_map(|bn| {
+            let (mean, var) = bn.moving_stats();
+            [mean, var]
+        })
+        .collect();
+    Tensor::cat(parts, 0)
+}
+
+/// Sets the BatchNorm moving statistics of `model` from a tensor laid out by [`bn_stats_flat`].
+pub fn set_bn_stats_flat<B: Backend>(model: &Ssd<B>, flat: Tensor<B, 1>) {
+    let mut offset = 0;
+    for bn in model.batch_norms() {
+        let n = bn.moving_stats().0.dims()[0];
+        let mean = flat.clone().narrow(0, offset, n);
+        let var = flat.clone().narrow(0, offset + n, n);
+        offset += 2 * n;
         bn.set_moving_stats(mean, var);
     }
-}
-
-/// The moving statistics of every BatchNorm of `model`.
-pub fn bn_stats<B: Backend>(model: &Ssd<B>) -> BnStats<B> {
-    model
-        .batch_norms()
-        .into_iter()
-        .map(|bn| bn.moving_stats())
-        .collect()
 }
 
 #[cfg(test)]

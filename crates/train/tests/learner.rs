@@ -83,6 +83,7 @@ fn run(config: &TrainConfig, model_dir: &Path, replicas: usize) -> anyhow::Resul
         model_dir: model_dir.to_path_buf(),
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
+        cluster: None,
     };
     train::<B>(config, &vec![Default::default(); replicas], &options)
 }
@@ -207,6 +208,7 @@ fn two_replicas_equal_gradient_averaging_on_one_device() {
         seed: c.train.seed,
         workers: 1,
         prefetch: 1,
+        share: (0, 1),
     };
     let batch = Loader::new(index, loader_config, Position::default())
         .unwrap()
@@ -243,7 +245,7 @@ fn two_replicas_equal_gradient_averaging_on_one_device() {
             None => buckets,
             Some(s) => s.into_iter().zip(buckets).map(|(a, b)| a + b).collect(),
         });
-        stats.push(train::sync::bn_stats(&net.valid()));
+        stats.push(train::sync::bn_stats_flat(&net.valid()));
     }
     let mean: Vec<_> = sum
         .unwrap()
@@ -254,7 +256,8 @@ fn two_replicas_equal_gradient_averaging_on_one_device() {
     let mut optim: OptimizerAdaptor<TfOptimizer, Ssd<Autodiff<B>>, Autodiff<B>> =
         OptimizerAdaptor::from(TfOptimizer::from(&c.train.optimizer));
     let stepped = optim.step(0.002, base, grads).valid();
-    train::sync::average_bn_stats(&stepped, &stats);
+    let [a, b]: [_; 2] = stats.try_into().unwrap();
+    train::sync::set_bn_stats_flat(&stepped, (a + b).div_scalar(2.0));
     let mut manual = Vec::new();
     for w in [
         stepped.backbone.conv0.conv.weight.val(),
@@ -346,4 +349,142 @@ fn faults_are_clear_errors() {
     c.data.train = vec!["/nonexistent/train-*".into()];
     let err = format!("{:#}", run(&c, runs.path(), 1).unwrap_err());
     assert!(err.contains("/nonexistent/train-*"), "{err}");
+}
+
+/// A free loopback port (with the next two also used by the nodes' tensor services).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `train` as a child process on `config` with extra arguments.
+fn train_process(config: &Path, model_dir: &Path, args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
+    cmd.arg("--config")
+        .arg(config)
+        .arg("--model-dir")
+        .arg(model_dir)
+        .arg("--no-eval")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    cmd
+}
+
+/// Two nodes (processes) on loopback with two CPU replicas each.
+fn two_nodes(config: &Path, model_dir: &Path, extra: &[&str]) -> [std::process::Child; 2] {
+    let coordinator = format!("ws://127.0.0.1:{}", free_port());
+    [0, 1].map(|rank| {
+        let rank = rank.to_string();
+        let mut args = vec![
+            "--devices",
+            "cpu:2",
+            "--nodes",
+            "2",
+            "--node-rank",
+            &rank,
+            "--coordinator",
+            &coordinator,
+            "--node-timeout",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        train_process(config, model_dir, &args).spawn().unwrap()
+    })
+}
+
+fn finish(child: std::process::Child) -> (bool, String) {
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn two_nodes_equal_one_node_with_all_replicas_and_a_lost_node_ends_the_run() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let runs = tempfile::tempdir().unwrap();
+    let mut c = config(data.path(), 2);
+    c.train.moving_average_decay = Some(0.9);
+    let config_file = runs.path().join("tiny.json");
+    std::fs::write(&config_file, serde_json::to_string(&c).unwrap()).unwrap();
+    let (one, two) = (runs.path().join("one"), runs.path().join("two"));
+
+    // one process with four replicas against two with two each, then both resumed to step 4
+    for steps in ["2", "4"] {
+        let single = train_process(
+            &config_file,
+            &one,
+            &["--devices", "cpu:4", "--num-steps", steps],
+        )
+        .spawn()
+        .unwrap();
+        let (ok, log) = finish(single);
+        assert!(ok, "{log}");
+        let [rank0, rank1] = two_nodes(&config_file, &two, &["--num-steps", steps]);
+        let ((ok0, log0), (ok1, log1)) = (finish(rank0), finish(rank1));
+        assert!(ok0 && ok1, "rank 0:\n{log0}\nrank 1:\n{log1}");
+        if steps == "4" {
+            assert!(log0.contains("resuming from") && log1.contains("resuming from"));
+        }
+        let state =
+            train::checkpoint::read_state(&train::checkpoint::latest(&two).unwrap().unwrap())
+                .unwrap();
+        assert_eq!(state.step.to_string(), steps);
+        // the same sums in the same order: not merely close, equal
+        assert_eq!(
+            weights(&c, &one),
+            weights(&c, &two),
+            "after {steps} steps the runs differ"
+        );
+    }
+
+    // rank 1 stops for good: rank 0 ends with an error within the node timeout, not a hang
+    let lost = runs.path().join("lost");
+    let [rank0, mut rank1] = two_nodes(&config_file, &lost, &["--num-steps", "100000"]);
+    let metrics = lost.join("metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.lines().count() < 2) {
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "the two nodes never trained"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    rank1.kill().unwrap();
+    rank1.wait().unwrap();
+    let killed = std::time::Instant::now();
+    let (ok, log) = finish(rank0);
+    let waited = killed.elapsed().as_secs_f64();
+    assert!(!ok, "rank 0 succeeded without its peer:\n{log}");
+    assert!(waited < 60.0, "rank 0 took {waited:.0} s to notice");
+    assert!(log.contains("exchange with node 1"), "{log}");
+
+    // a node whose coordinator never comes up gives up after the timeout, naming it
+    let coordinator = format!("ws://127.0.0.1:{}", free_port());
+    let lone = train_process(
+        &config_file,
+        &runs.path().join("lone"),
+        &[
+            "--devices",
+            "cpu",
+            "--nodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--coordinator",
+            &coordinator,
+            "--node-timeout",
+            "2",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let (ok, log) = finish(lone);
+    assert!(!ok && log.contains("cannot reach rank 0"), "{log}");
 }

@@ -1,0 +1,194 @@
+//! `pipeline.config` import: the API's sample SSD-MobileNet-v1 configs give our shipped JSON
+//! configs, proto defaults apply to absent fields, and unsupported settings are errors that
+//! name the field and line.
+
+use std::path::{Path, PathBuf};
+
+use model::config::MinerLossType;
+use train::config::{LearningRate, OptimizerConfig, TrainConfig};
+use train::pipeline_config::{import, import_text};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/pipeline")
+        .join(name)
+}
+
+/// The imported sample config equals the shipped JSON but for the data paths (the sample's are
+/// placeholders).
+fn matches_shipped(sample: &str, shipped: &str) -> TrainConfig {
+    let imported = import(&fixture(sample)).unwrap();
+    let notes = imported.notes.join("\n");
+    assert!(
+        notes.contains("model.ckpt is a TensorFlow checkpoint"),
+        "{notes}"
+    );
+    assert!(notes.contains("still has to be filled in"), "{notes}");
+    assert!(notes.contains("eval_config.max_evals (line"), "{notes}");
+    assert!(
+        notes.contains("eval_input_reader.num_readers (line"),
+        "{notes}"
+    );
+    let mut config = imported.config;
+    let json = TrainConfig::load(&root().join("configs").join(shipped)).unwrap();
+    assert!(config.data.train[0].starts_with("PATH_TO_BE_CONFIGURED/"));
+    config.data.train = json.data.train.clone();
+    config.data.eval = json.data.eval.clone();
+    assert_eq!(config, json);
+    // `--config` takes the pipeline.config itself
+    let mut direct = TrainConfig::load(&fixture(sample)).unwrap();
+    direct.data = json.data.clone();
+    assert_eq!(direct, json);
+    config
+}
+
+#[test]
+fn pets_sample_gives_the_shipped_pets_config() {
+    let c = matches_shipped("ssd_mobilenet_v1_pets.config", "ssd_mobilenet_v1_pets.json");
+    // the sample's values, field by field
+    assert_eq!(c.model.num_classes, 37);
+    assert_eq!(c.model.image_size, [300, 300]);
+    assert_eq!(c.model.box_coder_scales, [10.0, 10.0, 5.0, 5.0]);
+    assert_eq!(c.model.anchors.aspect_ratios, [1.0, 2.0, 0.5, 3.0, 0.3333]);
+    assert_eq!(
+        (c.model.anchors.min_scale, c.model.anchors.max_scale),
+        (0.2, 0.95)
+    );
+    assert!(c.model.matcher.force_match_for_each_row);
+    assert_eq!(c.model.loss.l2_weight, 0.00004);
+    assert_eq!(c.model.init_stddev, 0.03);
+    assert_eq!(
+        (c.model.batch_norm.decay, c.model.batch_norm.epsilon),
+        (0.9997, 0.001)
+    );
+    let miner = c.model.loss.hard_example_miner.unwrap();
+    assert_eq!(
+        (
+            miner.num_hard_examples,
+            miner.iou_threshold,
+            miner.loss_type
+        ),
+        (3000, 0.99, MinerLossType::Classification)
+    );
+    assert_eq!(miner.max_negatives_per_positive, 3);
+    assert_eq!(c.model.post_processing.score_threshold, 1e-8);
+    assert_eq!(c.train.batch_size, 24);
+    assert_eq!(c.train.num_steps, 200_000);
+    assert_eq!(
+        c.train.optimizer,
+        OptimizerConfig::RmsProp {
+            learning_rate: LearningRate::ExponentialDecay {
+                initial_learning_rate: 0.004,
+                decay_steps: 800_720,
+                decay_factor: 0.95,
+                staircase: true,
+                burnin_learning_rate: 0.0,
+                burnin_steps: 0,
+                min_learning_rate: 0.0,
+            },
+            momentum: 0.9,
+            decay: 0.9,
+            epsilon: 1.0,
+        }
+    );
+    // `use_moving_average` defaults to true with decay 0.9999 in optimizer.proto
+    assert_eq!(c.train.moving_average_decay, Some(0.9999));
+    assert_eq!(c.data.augmentation.len(), 2);
+    assert_eq!(c.eval.max_images, 2000);
+}
+
+#[test]
+fn coco_sample_gives_the_shipped_coco_config() {
+    let c = matches_shipped("ssd_mobilenet_v1_coco.config", "ssd_mobilenet_v1_coco.json");
+    assert_eq!(c.model.num_classes, 90);
+    assert_eq!(c.eval.max_images, 8000);
+}
+
+const MINIMAL: &str = r#"
+model { ssd {
+  num_classes: 2
+  feature_extractor { type: "ssd_mobilenet_v1"
+    conv_hyperparams { activation: RELU_6 batch_norm { scale: true } } }
+  anchor_generator { ssd_anchor_generator { aspect_ratios: 1.0 aspect_ratios: 2.0 } }
+  box_coder { faster_rcnn_box_coder {} } matcher { argmax_matcher {} }
+  similarity_calculator { iou_similarity {} } image_resizer { fixed_shape_resizer {} }
+  box_predictor { convolutional_box_predictor { conv_hyperparams {
+    activation: RELU_6 batch_norm { scale: true } } } }
+  loss { classification_loss { weighted_sigmoid {} } localization_loss { weighted_smooth_l1 {} } }
+  post_processing { score_converter: SIGMOID }
+} }
+train_config { num_steps: 10 optimizer { adam_optimizer { learning_rate {
+  cosine_decay_learning_rate { learning_rate_base: 0.01 total_steps: 20000 } } } } }
+train_input_reader { tf_record_input_reader { input_path: "a.record" input_path: "b.record" } }
+"#;
+
+#[test]
+fn absent_fields_take_the_proto_defaults() {
+    let c = import_text(MINIMAL).unwrap().config;
+    assert_eq!(c.train.batch_size, 32);
+    assert!(!c.model.matcher.force_match_for_each_row);
+    assert_eq!(c.model.loss.hard_example_miner, None);
+    assert_eq!(c.model.loss.l2_weight, 0.0, "no regularizer: no L2 loss");
+    assert_eq!(c.model.batch_norm.decay, 0.999);
+    assert_eq!(c.model.post_processing.score_threshold, 0.0);
+    assert_eq!(c.model.anchors.aspect_ratios, [1.0, 2.0]);
+    assert_eq!(c.data.train, ["a.record", "b.record"]);
+    assert_eq!(c.train.moving_average_decay, Some(0.9999));
+    assert_eq!(
+        c.train.optimizer,
+        OptimizerConfig::Adam {
+            learning_rate: LearningRate::CosineDecay {
+                learning_rate_base: 0.01,
+                total_steps: 20_000,
+                warmup_learning_rate: 0.0002,
+                warmup_steps: 10_000,
+                hold_base_rate_steps: 0,
+            },
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+        }
+    );
+}
+
+#[test]
+fn unsupported_settings_are_all_named_with_their_lines() {
+    let text = MINIMAL
+        .replace("weighted_sigmoid {}", "weighted_softmax {}")
+        .replace("score_converter: SIGMOID", "score_converter: SOFTMAX")
+        .replace(
+            "num_steps: 10",
+            "num_steps: 10 use_bfloat16: true mystery: 3",
+        );
+    let e = format!("{:#}", import_text(&text).unwrap_err());
+    for want in [
+        "model.ssd.loss.classification_loss.weighted_softmax (line 11): not supported",
+        "model.ssd.post_processing.score_converter: \"SOFTMAX\" is not supported",
+        "train_config.use_bfloat16: true is not supported",
+        "train_config.mystery (line 14): not supported",
+    ] {
+        assert!(e.contains(want), "missing `{want}` in:\n{e}");
+    }
+    let faster = "model { faster_rcnn { num_classes: 3 } }";
+    let e = format!("{:#}", import_text(faster).unwrap_err());
+    assert!(e.contains("only `ssd` models"), "{e}");
+    let e = format!(
+        "{:#}",
+        import_text(&MINIMAL.replace("matcher { argmax_matcher {} }", "")).unwrap_err()
+    );
+    assert!(e.contains("model.ssd.matcher is missing"), "{e}");
+    let e = format!("{:#}", import_text("model { ssd {").unwrap_err());
+    assert!(e.contains("line 1"), "{e}");
+    let e = format!(
+        "{:#}",
+        import_text(&MINIMAL.replace("num_classes: 2", "num_classes: two")).unwrap_err()
+    );
+    assert!(
+        e.contains("model.ssd.num_classes (line 3): expected a number"),
+        "{e}"
+    );
+}
