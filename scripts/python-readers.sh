@@ -15,12 +15,13 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import tensorboard, s
     exit 0
   fi
 fi
+bin=${CARGO_TARGET_DIR:-target}/release
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-target/release/xtask prepare-data --out "$work/data" --train 32 --val 8 --num-shards 1 >/dev/null
-target/release/train --devices cpu --config configs/synthetic.json --model-dir "$work/run" \
+"$bin/xtask" prepare-data --out "$work/data" --train 32 --val 8 --num-shards 1 >/dev/null
+"$bin/train" --devices cpu --config configs/synthetic.json --model-dir "$work/run" \
   --num-steps 20 --batch-size 4 --train-data "$work/data/train.record-*" \
   --eval-data "$work/data/val.record-*" 2>"$work/train.log" || { cat "$work/train.log" >&2; exit 1; }
-target/release/train export --model-dir "$work/run" --config configs/synthetic.json \
+"$bin/train" export --model-dir "$work/run" --config configs/synthetic.json \
   --out "$work/model.safetensors" 2>>"$work/train.log"
 "$venv/bin/python" scripts/python_readers.py "$work/run" "$work/model.safetensors" configs/synthetic.json
