@@ -109,6 +109,8 @@ enum Command {
         batch: Batch,
         learning_rate: f64,
         step: u64,
+        /// This process was asked to stop (Ctrl-C) after this step.
+        stop: bool,
     },
     /// Check that every replica everywhere starts from the same step and weights.
     Join {
@@ -123,6 +125,8 @@ enum Reply<B: Backend> {
     Stepped {
         loss: LossValues,
         sync_seconds: f64,
+        /// Some process of the run was asked to stop: every one stops after this step.
+        stop: bool,
     },
     Snapshot {
         weights: Vec<u8>,
@@ -153,7 +157,13 @@ fn panic_message(e: Box<dyn std::any::Any + Send>) -> String {
 }
 
 impl<B: SsdBackend> Replica<B> {
-    fn step(&mut self, batch: Batch, learning_rate: f64, step: u64) -> Result<Reply<B>, String> {
+    fn step(
+        &mut self,
+        batch: Batch,
+        learning_rate: f64,
+        step: u64,
+        stop: bool,
+    ) -> Result<Reply<B>, String> {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
         let targets: Vec<_> = batch
@@ -175,27 +185,29 @@ impl<B: SsdBackend> Replica<B> {
         if self.trainable.is_empty() {
             self.trainable = crate::sync::trainable_ids(&layout).into_iter().collect();
         }
-        // the loss parts ride at the end of the last bucket: their mean over all replicas
-        // comes back with the gradients, at no extra exchange
+        // the loss parts and the stop request ride at the end of the last bucket: their mean
+        // over all replicas comes back with the gradients, at no extra exchange, so every
+        // machine logs the same loss and stops after the same step
         let parts = [
             values.classification,
             values.localization,
             values.regularization,
             values.total,
+            if stop { 1.0 } else { 0.0 },
         ];
         let last = buckets
             .pop()
             .ok_or("the model has no trainable parameter")?;
-        let extra = Tensor::from_data(TensorData::new(parts.to_vec(), [4]), &self.device);
+        let extra = Tensor::from_data(TensorData::new(parts.to_vec(), [parts.len()]), &self.device);
         buckets.push(Tensor::cat(vec![last, extra], 0));
         let start = Instant::now();
         let mut buckets = self.sync.all_reduce_mean(self.index, buckets)?;
         let sync_seconds = start.elapsed().as_secs_f64();
         let last = buckets.pop().ok_or("the exchange returned no buckets")?;
-        let n = last.dims()[0] - 4;
+        let n = last.dims()[0] - parts.len();
         let mean: Vec<f32> = last
             .clone()
-            .narrow(0, n, 4)
+            .narrow(0, n, parts.len())
             .into_data()
             .to_vec()
             .map_err(|e| format!("{e:?}"))?;
@@ -221,6 +233,7 @@ impl<B: SsdBackend> Replica<B> {
         Ok(Reply::Stepped {
             loss: values,
             sync_seconds,
+            stop: mean[4] > 0.0,
         })
     }
 
@@ -230,7 +243,8 @@ impl<B: SsdBackend> Replica<B> {
                 batch,
                 learning_rate,
                 step,
-            } => self.step(batch, learning_rate, step),
+                stop,
+            } => self.step(batch, learning_rate, step, stop),
             Command::Join { step } => {
                 // every replica of every node must start from the same step and weights (a
                 // node that cannot see the checkpoint would silently start afresh)
@@ -689,17 +703,22 @@ pub fn train<B: SsdBackend>(
     let mut snapshot_step = u64::MAX;
 
     let num_steps = config.train.num_steps;
-    while step < num_steps && !options.stop.load(Ordering::Relaxed) {
+    // a stop request (Ctrl-C on any machine) travels with the step's exchange, so every
+    // machine stops after the same step
+    let mut stopping = false;
+    while step < num_steps && !stopping {
         let step_start = Instant::now();
         let batch = loader.next().context("the data loader stopped")??;
         data_wait_seconds += step_start.elapsed().as_secs_f64();
         position = batch.next_position;
         lr = config.train.optimizer.learning_rate().at(step);
         let mut parts = batch.split(replicas).into_iter();
+        let stop = options.stop.load(Ordering::Relaxed);
         let replies = broadcast(&mut |_| Command::Step {
             batch: parts.next().expect("one part per replica"),
             learning_rate: lr,
             step,
+            stop,
         })?;
         // every replica holds the loss averaged over all replicas
         let mut loss = LossValues::default();
@@ -707,10 +726,12 @@ pub fn train<B: SsdBackend>(
             if let Reply::Stepped {
                 loss: l,
                 sync_seconds: s,
+                stop,
             } = r
             {
                 loss = *l;
                 sync_seconds += s / replicas as f64;
+                stopping |= *stop;
             }
         }
         if !loss.total.is_finite() {
@@ -775,7 +796,7 @@ pub fn train<B: SsdBackend>(
             last_checkpoint = Some(dir);
             last_snapshot = Some((step, model, ema));
         }
-        if evaluated_at != step && !options.stop.load(Ordering::Relaxed) {
+        if evaluated_at != step && !stopping {
             last_metrics = evaluate_now(step, &last_snapshot)?;
         }
     }

@@ -396,6 +396,19 @@ fn two_nodes(config: &Path, model_dir: &Path, extra: &[&str]) -> [std::process::
     })
 }
 
+/// Waits until rank 0 has logged two steps in `model_dir`.
+fn wait_for_steps(model_dir: &Path) {
+    let metrics = model_dir.join("metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.lines().count() < 2) {
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "the two nodes never trained"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
 fn finish(child: std::process::Child) -> (bool, String) {
     let out = child.wait_with_output().unwrap();
     (
@@ -444,18 +457,35 @@ fn two_nodes_equal_one_node_with_all_replicas_and_a_lost_node_ends_the_run() {
         );
     }
 
+    // Ctrl-C on rank 1: both stop after the same step and rank 0 writes the checkpoint
+    let stopped = runs.path().join("stopped");
+    let [rank0, rank1] = two_nodes(&config_file, &stopped, &["--num-steps", "100000"]);
+    wait_for_steps(&stopped);
+    let interrupt = std::process::Command::new("kill")
+        .args(["-INT", &rank1.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(interrupt.success());
+    let ((ok0, log0), (ok1, log1)) = (finish(rank0), finish(rank1));
+    assert!(ok0 && ok1, "rank 0:\n{log0}\nrank 1:\n{log1}");
+    assert!(log1.contains("interrupted"), "{log1}");
+    let state =
+        train::checkpoint::read_state(&train::checkpoint::latest(&stopped).unwrap().unwrap())
+            .unwrap();
+    let last_step = |log: &str| {
+        log.lines()
+            .rev()
+            .find_map(|l| l.strip_prefix("done: step "))
+            .and_then(|l| l.split(' ').next())
+            .map(str::to_string)
+    };
+    assert_eq!(last_step(&log0), Some(state.step.to_string()), "{log0}");
+    assert_eq!(last_step(&log1), Some(state.step.to_string()), "{log1}");
+
     // rank 1 stops for good: rank 0 ends with an error within the node timeout, not a hang
     let lost = runs.path().join("lost");
     let [rank0, mut rank1] = two_nodes(&config_file, &lost, &["--num-steps", "100000"]);
-    let metrics = lost.join("metrics.jsonl");
-    let started = std::time::Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(true, |m| m.lines().count() < 2) {
-        assert!(
-            started.elapsed().as_secs() < 300,
-            "the two nodes never trained"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    wait_for_steps(&lost);
     rank1.kill().unwrap();
     rank1.wait().unwrap();
     let killed = std::time::Instant::now();
