@@ -2,6 +2,8 @@
 //! convolutions (dense through im2col + GEMM, depthwise directly) and training-mode
 //! BatchNorm + ReLU6, each with its backward pass. Work is split over rayon's pool.
 
+use std::mem::MaybeUninit;
+
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -128,6 +130,24 @@ fn matmul(
     [m, n, k]: [usize; 3],
     accumulate: bool,
 ) {
+    // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have the same layout, and every value written
+    // through the view is an initialised `f32`.
+    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    gemm_into(dst, a, a_transposed, b, b_transposed, [m, n, k], accumulate);
+}
+
+/// [`matmul`] into a destination that may be uninitialised when `accumulate` is false (the
+/// product overwrites every one of its `m * n` values without reading them).
+#[allow(clippy::too_many_arguments)]
+fn gemm_into(
+    dst: &mut [MaybeUninit<f32>],
+    a: &[f32],
+    a_transposed: bool,
+    b: &[f32],
+    b_transposed: bool,
+    [m, n, k]: [usize; 3],
+    accumulate: bool,
+) {
     assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
     // (row stride, column stride) of each operand
     let (a_rs, a_cs) = if a_transposed { (1, m) } else { (k, 1) };
@@ -144,7 +164,7 @@ fn matmul(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst.as_mut_ptr().cast::<f32>(),
             1,
             n as isize,
             accumulate,
@@ -220,7 +240,9 @@ fn col2im(g: &Conv, cols: &[f32], image: &mut [f32]) {
 
 /// Dense convolution: `x [batch, in, h, w]`, `weight [out, in, k, k]`, optional `bias [out]`.
 pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
-    let mut y = vec![0.0f32; g.batch * g.out_channels * g.out_plane()];
+    let len = g.batch * g.out_channels * g.out_plane();
+    // every value is written by the per-image products below: no zeroing pass first
+    let mut y: Vec<f32> = Vec::with_capacity(len);
     let mut cols = vec![
         0.0f32;
         if g.is_pointwise() {
@@ -237,8 +259,9 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
             im2col(g, image, &mut cols);
             &cols
         };
-        let out = &mut y[b * g.out_channels * g.out_plane()..][..g.out_channels * g.out_plane()];
-        matmul(
+        let out = &mut y.spare_capacity_mut()[b * g.out_channels * g.out_plane()..]
+            [..g.out_channels * g.out_plane()];
+        gemm_into(
             out,
             weight,
             false,
@@ -248,6 +271,9 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
             false,
         );
     }
+    // SAFETY: the products above wrote all `len` values (one `out_channels x out_plane` block
+    // per image, `batch` blocks).
+    unsafe { y.set_len(len) };
     if let Some(bias) = bias {
         add_bias(&mut y, g.out_plane(), bias);
     }
@@ -532,20 +558,43 @@ pub fn channel_moments(x: &[f32], batch: usize, channels: usize) -> (Vec<f32>, V
         .unzip()
 }
 
+/// `clamp(v * s + t, 0, 6)`.
+#[inline]
+fn scaled_relu6(v: f32, s: f32, t: f32) -> f32 {
+    (v * s + t).clamp(0.0, 6.0)
+}
+
 /// `y = clamp(x * scale[c] + shift[c], 0, 6)` over `[batch, channels, plane]` data.
 pub fn affine_relu6(x: &[f32], plane: usize, scale: &[f32], shift: &[f32]) -> Vec<f32> {
     let channels = scale.len();
-    let mut y = vec![0.0f32; x.len()];
-    y.par_chunks_mut(plane.max(1))
+    let mut y: Vec<f32> = Vec::with_capacity(x.len());
+    y.spare_capacity_mut()
+        .par_chunks_mut(plane.max(1))
         .zip(x.par_chunks(plane.max(1)))
         .enumerate()
         .for_each(|(p, (out, src))| {
             let (s, t) = (scale[p % channels], shift[p % channels]);
             for (o, &v) in out.iter_mut().zip(src) {
-                *o = (v * s + t).clamp(0.0, 6.0);
+                o.write(scaled_relu6(v, s, t));
             }
         });
+    // SAFETY: the chunks cover all `x.len()` values and each was written above.
+    unsafe { y.set_len(x.len()) };
     y
+}
+
+/// [`affine_relu6`] in place (inference: the convolution's output buffer becomes the layer's
+/// output).
+pub fn affine_relu6_in_place(x: &mut [f32], plane: usize, scale: &[f32], shift: &[f32]) {
+    let channels = scale.len();
+    x.par_chunks_mut(plane.max(1))
+        .enumerate()
+        .for_each(|(p, values)| {
+            let (s, t) = (scale[p % channels], shift[p % channels]);
+            for v in values {
+                *v = scaled_relu6(*v, s, t);
+            }
+        });
 }
 
 /// Training-mode BatchNorm followed by ReLU6 over `[batch, channels, plane]` data:

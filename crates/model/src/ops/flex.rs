@@ -161,10 +161,17 @@ impl SsdBackend for Flex {
         }
         let shape = x.shape();
         let [_, _, h, w] = shape.dims();
-        let [x, scale, shift] = [&x, &scale, &shift].map(contiguous);
-        output(
-            cpu::affine_relu6(values(&x), h * w, values(&scale), values(&shift)),
-            shape,
-        )
+        let (scale, shift) = (contiguous(&scale), contiguous(&shift));
+        // in place when the input is a whole buffer nobody else holds (the convolution's
+        // output at inference), else into a copy
+        let len = shape.num_elements();
+        let whole = x.layout().contiguous_offsets() == Some((0, len));
+        let mut y = if whole { x } else { contiguous(&x) };
+        if y.try_storage_mut::<f32>().is_none_or(|s| s.len() != len) {
+            y = FlexTensor::from_data(y.into_data());
+        }
+        let values = y.storage_mut::<f32>();
+        cpu::affine_relu6_in_place(values, h * w, self::values(&scale), self::values(&shift));
+        y
     }
 }

@@ -246,11 +246,24 @@ fn reference_conv_backward_matches_autodiff() {
 fn affine_relu6_matches_reference() {
     let x = random([2, 3, 4, 5], 5).mul_scalar(8.0);
     let (scale, shift) = (random([3], 6), random([3], 7));
-    let fast = affine_relu6(x.clone(), scale.clone(), shift.clone());
-    let slow = tensor::<Flex, 4>(reference::affine_relu6::<Flex>(
-        prim(x),
-        prim(scale),
-        prim(shift),
-    ));
-    assert_close("affine", values(fast), values(slow), 1e-6);
+    let reference = |x: Tensor<Flex, 4>| {
+        tensor::<Flex, 4>(reference::affine_relu6::<Flex>(
+            prim(x),
+            prim(scale.clone()),
+            prim(shift.clone()),
+        ))
+    };
+    let slow = reference(x.clone());
+    let before = values(x.clone());
+    // a shared input is left alone (the result goes to a new buffer)
+    let shared = affine_relu6(x.clone(), scale.clone(), shift.clone());
+    assert_close("affine, shared", values(shared), values(slow.clone()), 1e-6);
+    assert_eq!(values(x.clone()), before, "the shared input changed");
+    // the only holder's buffer is reused
+    let unique = affine_relu6(x.clone().mul_scalar(1.0), scale.clone(), shift.clone());
+    assert_close("affine, in place", values(unique), values(slow), 1e-6);
+    // a view into a larger buffer
+    let part = x.narrow(0, 1, 1);
+    let fast = affine_relu6(part.clone(), scale.clone(), shift.clone());
+    assert_close("affine, view", values(fast), values(reference(part)), 1e-6);
 }
