@@ -172,6 +172,21 @@ fn scalar(token: &Token) -> Option<Scalar> {
     }
 }
 
+/// The message opened by `open` (`{` or `<`) on `line`, up to its closing bracket.
+fn nested(
+    tokens: &[(usize, Token)],
+    at: &mut usize,
+    open: char,
+    line: usize,
+) -> Result<Value, String> {
+    let closing = if open == '{' { '}' } else { '>' };
+    Ok(Value::Message(parse_fields(
+        tokens,
+        at,
+        Some((closing, line)),
+    )?))
+}
+
 /// Fields until `close` (or the end of the document when `close` is `None`).
 fn parse_fields(
     tokens: &[(usize, Token)],
@@ -209,12 +224,7 @@ fn parse_fields(
         match tokens.get(*at).map(|t| &t.1) {
             Some(Token::Open(c)) => {
                 *at += 1;
-                let closing = if *c == '{' { '}' } else { '>' };
-                values.push(Value::Message(parse_fields(
-                    tokens,
-                    at,
-                    Some((closing, line)),
-                )?));
+                values.push(nested(tokens, at, *c, line)?);
             }
             Some(Token::ListOpen) if colon => {
                 *at += 1;
@@ -227,12 +237,7 @@ fn parse_fields(
                         Some(Token::Comma) => *at += 1,
                         Some(Token::Open(c)) => {
                             *at += 1;
-                            let closing = if *c == '{' { '}' } else { '>' };
-                            values.push(Value::Message(parse_fields(
-                                tokens,
-                                at,
-                                Some((closing, line)),
-                            )?));
+                            values.push(nested(tokens, at, *c, line)?);
                         }
                         Some(t) => {
                             let v = scalar(t)

@@ -172,6 +172,22 @@ impl<'a> Section<'a> {
         }
     }
 
+    /// Reads number `name`, whose proto default is also the only value we support, and
+    /// reports any other value.
+    fn only_number<T>(&mut self, name: &str, supported: T, report: &mut Report)
+    where
+        T: std::str::FromStr + PartialEq + std::fmt::Debug + Copy,
+    {
+        let v = self.number(name, supported, report);
+        require(&self.path, name, v, supported, report);
+    }
+
+    /// [`Section::only_number`] for a flag.
+    fn only_flag(&mut self, name: &str, supported: bool, report: &mut Report) {
+        let v = self.flag(name, supported, report);
+        require(&self.path, name, v, supported, report);
+    }
+
     /// The last sub-message called `name`.
     fn child(&mut self, name: &str, report: &mut Report) -> Option<Section<'a>> {
         let field = self.take(name).pop()?;
@@ -404,10 +420,11 @@ fn read_conv_hyperparams(
             let bpath = b.path.clone();
             let decay = b.number("decay", 0.999f64, report);
             let epsilon = b.number("epsilon", 0.001f64, report);
-            for (name, default) in [("center", true), ("scale", false), ("train", true)] {
-                let v = b.flag(name, default, report);
-                require(&bpath, name, v, true, report);
-            }
+            b.only_flag("center", true, report);
+            b.only_flag("train", true, report);
+            // absent, `scale` is false: no gamma, which our BatchNorm always has
+            let scale = b.flag("scale", false, report);
+            require(&bpath, "scale", scale, true, report);
             b.finish(report);
             batch_norm = Some((decay, epsilon));
         }
@@ -456,8 +473,7 @@ fn read_ssd(mut s: Section, model: &mut SsdConfig, report: &mut Report) {
             let fpath = f.path.clone();
             let method = f.word("resize_method", "BILINEAR", report);
             require(&fpath, "resize_method", method.as_str(), "BILINEAR", report);
-            let gray = f.flag("convert_to_grayscale", false, report);
-            require(&fpath, "convert_to_grayscale", gray, false, report);
+            f.only_flag("convert_to_grayscale", false, report);
             f.finish(report);
         }
         r.finish(report);
@@ -470,15 +486,13 @@ fn read_ssd(mut s: Section, model: &mut SsdConfig, report: &mut Report) {
         require(&fpath, "type", kind.as_str(), "ssd_mobilenet_v1", report);
         model.depth_multiplier = fe.number("depth_multiplier", 1.0f32, report);
         model.min_depth = fe.number("min_depth", 16usize, report);
-        let pad = fe.number("pad_to_multiple", 1usize, report);
-        require(&fpath, "pad_to_multiple", pad, 1, report);
+        fe.only_number("pad_to_multiple", 1usize, report);
         for name in [
             "use_explicit_padding",
             "use_depthwise",
             "override_base_feature_extractor_hyperparams",
         ] {
-            let v = fe.flag(name, false, report);
-            require(&fpath, name, v, false, report);
+            fe.only_flag(name, false, report);
         }
         if let Some(h) = fe.child("conv_hyperparams", report) {
             let (l2, stddev, bn) = read_conv_hyperparams(h, report);
@@ -493,24 +507,19 @@ fn read_ssd(mut s: Section, model: &mut SsdConfig, report: &mut Report) {
     }
     if let Some(mut bp) = s.child("box_predictor", report) {
         if let Some((_, mut c)) = bp.one_of(&["convolutional_box_predictor"], report) {
-            let cpath = c.path.clone();
             for (name, supported) in [
                 ("min_depth", 0usize),
                 ("max_depth", 0),
                 ("num_layers_before_predictor", 0),
                 ("box_code_size", 4),
+                ("kernel_size", 1),
             ] {
-                let v = c.number(name, supported, report);
-                require(&cpath, name, v, supported, report);
+                c.only_number(name, supported, report);
             }
-            let kernel = c.number("kernel_size", 1usize, report);
-            require(&cpath, "kernel_size", kernel, 1, report);
             for name in ["use_dropout", "apply_sigmoid_to_scores", "use_depthwise"] {
-                let v = c.flag(name, false, report);
-                require(&cpath, name, v, false, report);
+                c.only_flag(name, false, report);
             }
-            let bias = c.number("class_prediction_bias_init", 0.0f32, report);
-            require(&cpath, "class_prediction_bias_init", bias, 0.0, report);
+            c.only_number("class_prediction_bias_init", 0.0f32, report);
             c.ignore(
                 &["dropout_keep_probability"],
                 "no dropout (use_dropout is false)",
@@ -559,12 +568,10 @@ fn read_ssd(mut s: Section, model: &mut SsdConfig, report: &mut Report) {
     }
     if let Some(mut m) = s.child("matcher", report) {
         if let Some((_, mut a)) = m.one_of(&["argmax_matcher"], report) {
-            let apath = a.path.clone();
             let mc = &mut model.matcher;
             mc.matched_threshold = a.number("matched_threshold", 0.5f32, report);
             mc.unmatched_threshold = a.number("unmatched_threshold", 0.5f32, report);
-            let ignore = a.flag("ignore_thresholds", false, report);
-            require(&apath, "ignore_thresholds", ignore, false, report);
+            a.only_flag("ignore_thresholds", false, report);
             mc.negatives_lower_than_unmatched =
                 a.flag("negatives_lower_than_unmatched", true, report);
             mc.force_match_for_each_row = a.flag("force_match_for_each_row", false, report);
@@ -619,12 +626,9 @@ fn read_ssd(mut s: Section, model: &mut SsdConfig, report: &mut Report) {
         ("freeze_batchnorm", false),
         ("add_background_class", true),
     ] {
-        let default = supported;
-        let v = s.flag(name, default, report);
-        require(&path, name, v, supported, report);
+        s.only_flag(name, supported, report);
     }
-    let negative_weight = s.number("negative_class_weight", 1.0f32, report);
-    require(&path, "negative_class_weight", negative_weight, 1.0, report);
+    s.only_number("negative_class_weight", 1.0f32, report);
     s.ignore(
         &["inplace_batchnorm_update"],
         "BatchNorm statistics are always updated in the training step",
@@ -638,18 +642,15 @@ fn read_ssd(mut s: Section, model: &mut SsdConfig, report: &mut Report) {
         {
             let mut n =
                 nms.unwrap_or_else(|| Section::new(&defaults, p.join("batch_non_max_suppression")));
-            let npath = n.path.clone();
             let pc = &mut model.post_processing;
             pc.score_threshold = n.number("score_threshold", 0.0f32, report);
             pc.iou_threshold = n.number("iou_threshold", 0.6f32, report);
             pc.max_detections_per_class = n.number("max_detections_per_class", 100usize, report);
             pc.max_total_detections = n.number("max_total_detections", 100usize, report);
             for name in ["use_class_agnostic_nms", "use_combined_nms", "combined_nms"] {
-                let v = n.flag(name, false, report);
-                require(&npath, name, v, false, report);
+                n.only_flag(name, false, report);
             }
-            let sigma = n.number("soft_nms_sigma", 0.0f32, report);
-            require(&npath, "soft_nms_sigma", sigma, 0.0, report);
+            n.only_number("soft_nms_sigma", 0.0f32, report);
             n.ignore(
                 &["use_static_shapes"],
                 "an XLA/TPU implementation detail",
@@ -665,8 +666,7 @@ fn read_ssd(mut s: Section, model: &mut SsdConfig, report: &mut Report) {
             "SIGMOID",
             report,
         );
-        let scale = p.number("logit_scale", 1.0f32, report);
-        require(&ppath, "logit_scale", scale, 1.0, report);
+        p.only_number("logit_scale", 1.0f32, report);
         p.finish(report);
     }
     s.finish(report);
@@ -739,7 +739,6 @@ fn read_learning_rate(lr: Option<Section>, report: &mut Report) -> LearningRate 
     ];
     let schedule = match lr.one_of(&schedules, report) {
         Some((name, mut s)) => {
-            let spath = s.path.clone();
             let out = match name.as_str() {
                 "constant_learning_rate" => LearningRate::Constant {
                     learning_rate: s.number("learning_rate", 0.002, report),
@@ -763,8 +762,7 @@ fn read_learning_rate(lr: Option<Section>, report: &mut Report) -> LearningRate 
                         ));
                         e.finish(report);
                     }
-                    let warmup = s.flag("warmup", false, report);
-                    require(&spath, "warmup", warmup, false, report);
+                    s.only_flag("warmup", false, report);
                     LearningRate::ManualStep {
                         initial_learning_rate: initial,
                         schedule,
@@ -890,11 +888,9 @@ fn read_train(
         ("add_regularization_loss", true),
         ("use_bfloat16", false),
     ] {
-        let v = t.flag(name, supported, report);
-        require(&path, name, v, supported, report);
+        t.only_flag(name, supported, report);
     }
-    let bias_multiplier = t.number("bias_grad_multiplier", 0.0f32, report);
-    require(&path, "bias_grad_multiplier", bias_multiplier, 0.0, report);
+    t.only_number("bias_grad_multiplier", 0.0f32, report);
     if !t.take("freeze_variables").is_empty() || !t.take("update_trainable_variables").is_empty() {
         report
             .errors
