@@ -22,12 +22,12 @@ pub fn non_max_suppression(
         .collect();
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
     let mut selected = Vec::new();
-    let mut kept = SelectedBoxes::default();
+    let mut kept = SelectedBoxes::new(iou_threshold);
     for i in order {
         if selected.len() >= max_output {
             break;
         }
-        if !kept.overlaps(&boxes[i], iou_threshold) {
+        if !kept.overlaps(&boxes[i]) {
             kept.push(&boxes[i]);
             selected.push(i);
         }
@@ -35,45 +35,107 @@ pub fn non_max_suppression(
     selected
 }
 
+/// From this IoU threshold on, only selected boxes of similar area are tested (see
+/// [`SelectedBoxes::overlaps`]); below it the area window would hold most boxes anyway.
+const AREA_WINDOW_FROM: f32 = 0.5;
+
+/// Relative slack of the area window, far above the rounding of the IoU arithmetic (a few
+/// units in the last place), so that no box whose computed IoU passes is left out.
+const AREA_WINDOW_SLACK: f32 = 1e-5;
+
 /// The boxes NMS has selected so far, by coordinate (so that the IoU test against all of them
-/// vectorises).
-#[derive(Default)]
+/// vectorises), and, for high thresholds, by area.
 struct SelectedBoxes {
+    threshold: f32,
     ymin: Vec<f32>,
     xmin: Vec<f32>,
     ymax: Vec<f32>,
     xmax: Vec<f32>,
     area: Vec<f32>,
+    /// Indices of the selected boxes with a finite, non-negative area, by that area's bits
+    /// (ordered like the areas); used when `threshold >= AREA_WINDOW_FROM`.
+    by_area: std::collections::BTreeMap<u32, Vec<usize>>,
+    /// Selected boxes outside `by_area` (negative or not finite area): always tested.
+    odd: Vec<usize>,
+}
+
+/// Whether `area` can be windowed (ordered by its bits).
+fn windowable(area: f32) -> bool {
+    area.is_finite() && area >= 0.0
 }
 
 impl SelectedBoxes {
+    fn new(threshold: f32) -> Self {
+        Self {
+            threshold,
+            ymin: Vec::new(),
+            xmin: Vec::new(),
+            ymax: Vec::new(),
+            xmax: Vec::new(),
+            area: Vec::new(),
+            by_area: Default::default(),
+            odd: Vec::new(),
+        }
+    }
+
+    fn windowed(&self) -> bool {
+        self.threshold >= AREA_WINDOW_FROM
+    }
+
     fn push(&mut self, b: &BBox) {
+        let (index, area) = (self.area.len(), b.area());
         self.ymin.push(b.ymin);
         self.xmin.push(b.xmin);
         self.ymax.push(b.ymax);
         self.xmax.push(b.xmax);
-        self.area.push(b.area());
+        self.area.push(area);
+        if self.windowed() {
+            if windowable(area) {
+                self.by_area.entry(area.to_bits()).or_default().push(index);
+            } else {
+                self.odd.push(index);
+            }
+        }
     }
 
-    /// Whether `b` has IoU above `threshold` with any selected box ([`BBox::iou`]'s
-    /// arithmetic, selected box first).
-    fn overlaps(&self, b: &BBox, threshold: f32) -> bool {
+    /// IoU of selected box `j` with `b` (of area `area`), as [`BBox::iou`] computes it.
+    #[inline]
+    fn iou(&self, j: usize, b: &BBox, area: f32) -> f32 {
+        let h = (self.ymax[j].min(b.ymax) - self.ymin[j].max(b.ymin)).max(0.0);
+        let w = (self.xmax[j].min(b.xmax) - self.xmin[j].max(b.xmin)).max(0.0);
+        let inter = h * w;
+        if inter == 0.0 {
+            0.0
+        } else {
+            inter / (self.area[j] + area - inter)
+        }
+    }
+
+    /// Whether `b` has IoU above the threshold with any selected box ([`BBox::iou`]'s
+    /// arithmetic, selected box first). Since the IoU of two boxes is at most the ratio of the
+    /// smaller area to the larger, for a threshold `t >= 0.5` only boxes whose area lies within
+    /// `[t a, a / t]` (widened by `AREA_WINDOW_SLACK`) can pass; the hard example miner's
+    /// `t = 0.99` makes that a handful of boxes instead of all of them.
+    fn overlaps(&self, b: &BBox) -> bool {
+        let (area, threshold) = (b.area(), self.threshold);
+        if self.windowed() && windowable(area) {
+            let low = area * threshold * (1.0 - AREA_WINDOW_SLACK);
+            let high = area / (threshold * (1.0 - AREA_WINDOW_SLACK));
+            let high = if high.is_finite() { high } else { f32::MAX };
+            return self
+                .by_area
+                .range(low.to_bits()..=high.to_bits())
+                .flat_map(|(_, boxes)| boxes)
+                .chain(&self.odd)
+                .any(|&j| self.iou(j, b, area) > threshold);
+        }
         const BLOCK: usize = 64;
-        let area = b.area();
         let n = self.area.len();
         (0..n).step_by(BLOCK).any(|start| {
             let end = (start + BLOCK).min(n);
             let mut hit = false;
             for j in start..end {
-                let h = (self.ymax[j].min(b.ymax) - self.ymin[j].max(b.ymin)).max(0.0);
-                let w = (self.xmax[j].min(b.xmax) - self.xmin[j].max(b.xmin)).max(0.0);
-                let inter = h * w;
-                let iou = if inter == 0.0 {
-                    0.0
-                } else {
-                    inter / (self.area[j] + area - inter)
-                };
-                hit |= iou > threshold;
+                hit |= self.iou(j, b, area) > threshold;
             }
             hit
         })
@@ -166,6 +228,52 @@ mod tests {
             non_max_suppression(&b, &[0.5, 0.5], 10, 0.9, 0.0),
             vec![0, 1]
         );
+    }
+
+    /// Greedy NMS straight from the definition, with [`BBox::iou`].
+    fn brute_force_nms(boxes: &[BBox], scores: &[f32], max: usize, t: f32) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..boxes.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+        let mut selected: Vec<usize> = Vec::new();
+        for i in order {
+            if selected.len() < max && selected.iter().all(|&j| boxes[j].iou(&boxes[i]) <= t) {
+                selected.push(i);
+            }
+        }
+        selected
+    }
+
+    #[test]
+    fn area_window_selects_exactly_what_the_full_scan_selects() {
+        // clusters of jittered copies (areas within a few percent, IoUs near every threshold),
+        // exact duplicates and empty boxes; a small LCG keeps the test dependency-free
+        let mut state = 12345u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let mut boxes = Vec::new();
+        for _ in 0..60 {
+            let (y, x, h, w) = (next(), next(), 0.05 + next() * 0.5, 0.05 + next() * 0.5);
+            for _ in 0..20 {
+                let j = 0.01 * next();
+                boxes.push(BBox::new(y + j, x - j, y + h + j * next(), x + w + j));
+            }
+            boxes.push(BBox::new(y, x, y + h, x + w));
+            boxes.push(BBox::new(y, x, y + h, x + w));
+            boxes.push(BBox::new(y, x, y, x + w));
+        }
+        let scores: Vec<f32> = boxes.iter().map(|_| next()).collect();
+        for t in [0.0, 0.3, 0.5, 0.6, 0.9, 0.97, 0.99, 0.999, 1.0] {
+            let fast = non_max_suppression(&boxes, &scores, 3000, t, f32::NEG_INFINITY);
+            assert_eq!(
+                fast,
+                brute_force_nms(&boxes, &scores, 3000, t),
+                "threshold {t}"
+            );
+        }
     }
 
     #[test]
