@@ -211,15 +211,22 @@ fn im2col(g: &Conv, image: &[f32], cols: &mut [f32]) {
         });
 }
 
-/// Folds `cols [patch, out_plane]` back onto one image `[in_channels, h, w]`, summing
-/// overlaps (the adjoint of [`im2col`]).
-fn col2im(g: &Conv, cols: &[f32], image: &mut [f32]) {
+/// Zero-fills `values` and returns them as initialised.
+fn zero_filled(values: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    values.fill(MaybeUninit::new(0.0));
+    // SAFETY: every value was just written, and the layouts are the same.
+    unsafe { &mut *(values as *mut [MaybeUninit<f32>] as *mut [f32]) }
+}
+
+/// Folds `cols [patch, out_plane]` back onto one image `[in_channels, h, w]` (which it
+/// overwrites, so it may start uninitialised), summing overlaps (the adjoint of [`im2col`]).
+fn col2im(g: &Conv, cols: &[f32], image: &mut [MaybeUninit<f32>]) {
     let k = g.kernel;
     image
         .par_chunks_mut(g.in_plane())
         .enumerate()
         .for_each(|(c, plane)| {
-            plane.fill(0.0);
+            let plane = zero_filled(plane);
             for ky in 0..k {
                 for kx in 0..k {
                     let col = &cols[((c * k + ky) * k + kx) * g.out_plane()..][..g.out_plane()];
@@ -290,8 +297,9 @@ pub struct ConvGrads {
 
 /// Backward pass of [`conv_forward`] given the output gradient `dy`.
 pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> ConvGrads {
-    let mut dx = vec![0.0f32; x.len()];
-    let mut dw = vec![0.0f32; weight.len()];
+    // both gradients are written, not accumulated, by the first pass over them: no zeroing
+    let mut dx: Vec<f32> = Vec::with_capacity(x.len());
+    let mut dw: Vec<f32> = Vec::with_capacity(weight.len());
     let mut cols = vec![
         0.0f32;
         if g.is_pointwise() {
@@ -312,31 +320,37 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> ConvGra
             im2col(g, image, &mut cols);
             &cols
         };
-        // dW (out x patch) += dY (out x plane) * cols^T (plane x patch)
-        matmul(
-            &mut dw,
-            grad,
-            false,
-            cols,
-            true,
-            [g.out_channels, g.patch(), g.out_plane()],
-            b > 0,
-        );
-        // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
-        let dimage = &mut dx[b * image_len..][..image_len];
-        let target: &mut [f32] = if g.is_pointwise() { dimage } else { &mut dcols };
-        matmul(
-            target,
-            weight,
-            true,
-            grad,
-            false,
-            [g.patch(), g.out_plane(), g.out_channels],
-            false,
-        );
-        if !g.is_pointwise() {
-            col2im(g, &dcols, &mut dx[b * image_len..][..image_len]);
+        // dW (out x patch) (+)= dY (out x plane) * cols^T (plane x patch)
+        let dw_shape = [g.out_channels, g.patch(), g.out_plane()];
+        if b == 0 {
+            gemm_into(
+                dw.spare_capacity_mut(),
+                grad,
+                false,
+                cols,
+                true,
+                dw_shape,
+                false,
+            );
+            // SAFETY: the product wrote all `out_channels * patch` (= `weight.len()`) values.
+            unsafe { dw.set_len(weight.len()) };
+        } else {
+            matmul(&mut dw, grad, false, cols, true, dw_shape, true);
         }
+        // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
+        let dcols_shape = [g.patch(), g.out_plane(), g.out_channels];
+        let dimage = &mut dx.spare_capacity_mut()[b * image_len..][..image_len];
+        if g.is_pointwise() {
+            gemm_into(dimage, weight, true, grad, false, dcols_shape, false);
+        } else {
+            matmul(&mut dcols, weight, true, grad, false, dcols_shape, false);
+            col2im(g, &dcols, dimage);
+        }
+    }
+    // SAFETY: every image's block of `dx` was written above (`batch` blocks of `image_len`).
+    unsafe { dx.set_len(g.batch * image_len) };
+    if g.batch == 0 {
+        dw.resize(weight.len(), 0.0);
     }
     ConvGrads {
         x: dx,
@@ -660,8 +674,9 @@ pub fn batch_norm_relu6_backward(
         })
         .unzip();
     let count = (batch * plane) as f32;
-    let mut dx = vec![0.0f32; x.len()];
-    dx.par_chunks_mut(plane.max(1))
+    let mut dx: Vec<f32> = Vec::with_capacity(x.len());
+    dx.spare_capacity_mut()
+        .par_chunks_mut(plane.max(1))
         .enumerate()
         .for_each(|(p, out)| {
             let c = p % channels;
@@ -673,8 +688,10 @@ pub fn batch_norm_relu6_backward(
             for (((o, &xv), &yv), &g) in out.iter_mut().zip(xs).zip(ys).zip(gs) {
                 let dz = if passes(yv) { g } else { 0.0 };
                 let xhat = (xv - mean[c]) * inv_std[c];
-                *o = k * (dz - mean_dz - xhat * mean_dz_xhat);
+                o.write(k * (dz - mean_dz - xhat * mean_dz_xhat));
             }
         });
+    // SAFETY: the chunks cover all `x.len()` values and each was written above.
+    unsafe { dx.set_len(x.len()) };
     (dx, dgamma, dbeta)
 }
