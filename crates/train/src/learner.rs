@@ -149,6 +149,14 @@ struct Replica<B: Backend> {
     sync: Arc<dyn GradientSync<B>>,
 }
 
+/// The values of a small tensor, on the host.
+fn to_host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, String> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| format!("{e:?}"))
+}
+
 fn panic_message(e: Box<dyn std::any::Any + Send>) -> String {
     e.downcast_ref::<String>()
         .cloned()
@@ -173,45 +181,33 @@ impl<B: SsdBackend> Replica<B> {
             .collect();
         let images = batch.images_tensor::<Train<B>>(&self.device);
         let loss = compute_loss(&self.model, cfg, &self.anchors, images, &targets);
-        let value = |t: &Tensor<Train<B>, 1>| t.clone().into_scalar().elem::<f32>();
-        let values = LossValues {
-            classification: value(&loss.classification),
-            localization: value(&loss.localization),
-            regularization: value(&loss.regularization),
-            total: value(&loss.total),
-        };
         let grads = GradientsParams::from_grads(loss.total.backward(), &self.model);
-        let (layout, mut buckets) = flatten_gradients(&self.model, grads);
+        // the loss parts and the stop request ride at the end of the last bucket: their mean
+        // over all replicas comes back with the gradients, at no extra exchange or copy, so
+        // every machine logs the same loss and stops after the same step
+        let stop = Tensor::<B, 1>::from_data(
+            TensorData::new(vec![if stop { 1.0f32 } else { 0.0 }], [1]),
+            &self.device,
+        );
+        let tail = Tensor::cat(
+            vec![
+                loss.classification.inner(),
+                loss.localization.inner(),
+                loss.regularization.inner(),
+                loss.total.inner(),
+                stop,
+            ],
+            0,
+        );
+        let (layout, buckets) = flatten_gradients(&self.model, grads, Some(tail));
         if self.trainable.is_empty() {
             self.trainable = crate::sync::trainable_ids(&layout).into_iter().collect();
         }
-        // the loss parts and the stop request ride at the end of the last bucket: their mean
-        // over all replicas comes back with the gradients, at no extra exchange, so every
-        // machine logs the same loss and stops after the same step
-        let parts = [
-            values.classification,
-            values.localization,
-            values.regularization,
-            values.total,
-            if stop { 1.0 } else { 0.0 },
-        ];
-        let last = buckets
-            .pop()
-            .ok_or("the model has no trainable parameter")?;
-        let extra = Tensor::from_data(TensorData::new(parts.to_vec(), [parts.len()]), &self.device);
-        buckets.push(Tensor::cat(vec![last, extra], 0));
         let start = Instant::now();
         let mut buckets = self.sync.all_reduce_mean(self.index, buckets)?;
         let sync_seconds = start.elapsed().as_secs_f64();
-        let last = buckets.pop().ok_or("the exchange returned no buckets")?;
-        let n = last.dims()[0] - parts.len();
-        let mean: Vec<f32> = last
-            .clone()
-            .narrow(0, n, parts.len())
-            .into_data()
-            .to_vec()
-            .map_err(|e| format!("{e:?}"))?;
-        buckets.push(last.narrow(0, 0, n));
+        let last = buckets.last().ok_or("the exchange returned no buckets")?;
+        let mean = to_host(last.clone().narrow(0, last.dims()[0] - 5, 5))?;
         let values = LossValues {
             classification: mean[0],
             localization: mean[1],
@@ -253,11 +249,7 @@ impl<B: SsdBackend> Replica<B> {
                 let mine = [step as f32, (checksum % 65_536) as f32];
                 let probe = Tensor::from_data(TensorData::new(mine.to_vec(), [2]), &self.device);
                 let all = self.sync.all_reduce_mean(self.index, vec![probe])?;
-                let mean: Vec<f32> = all[0]
-                    .clone()
-                    .into_data()
-                    .to_vec()
-                    .map_err(|e| format!("{e:?}"))?;
+                let mean = to_host(all[0].clone())?;
                 let same = mine.iter().zip(&mean).all(|(a, b)| (a - b).abs() < 0.25);
                 if !same {
                     return Err(format!(
@@ -829,5 +821,3 @@ pub fn train<B: SsdBackend>(
     };
     Ok(summary)
 }
-
-use burn::tensor::ElementConversion;

@@ -258,10 +258,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_, B> {
     }
 }
 
-/// Cuts the gradients of `model` into flat buckets (in module order).
+/// Cuts the gradients of `model` into flat buckets (in module order), with `tail` (values to
+/// average along with the gradients) at the end of the last bucket, where
+/// [`unflatten_gradients`] ignores it.
 pub fn flatten_gradients<B: AutodiffBackend>(
     model: &Ssd<B>,
     mut grads: GradientsParams,
+    tail: Option<Tensor<B::InnerBackend, 1>>,
 ) -> (BucketLayout, Vec<Tensor<B::InnerBackend, 1>>) {
     let mut v = Flatten::<B> {
         grads: &mut grads,
@@ -283,8 +286,10 @@ pub fn flatten_gradients<B: AutodiffBackend>(
             elements = 0;
         }
     }
+    let params_in_last = current.len();
+    current.extend(tail);
     if !current.is_empty() {
-        bucket_sizes.push(current.len());
+        bucket_sizes.push(params_in_last);
         buckets.push(Tensor::cat(current, 0));
     }
     (

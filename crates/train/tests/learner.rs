@@ -239,7 +239,7 @@ fn two_replicas_equal_gradient_averaging_on_one_device() {
             &targets,
         );
         let grads = GradientsParams::from_grads(loss.total.backward(), &net);
-        let (l, buckets) = flatten_gradients(&net, grads);
+        let (l, buckets) = flatten_gradients(&net, grads, None);
         layout = Some(l);
         sum = Some(match sum {
             None => buckets,
