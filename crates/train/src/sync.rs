@@ -1,6 +1,6 @@
-//! Gradient synchronisation between replicas, behind one small trait so that a multi-node
-//! transport can plug in later. Gradients travel as a few large flat buckets, not one
-//! round-trip per tensor.
+//! Gradient synchronisation between replicas: the in-process all-reduce, which hands its sum
+//! to a [`NodeExchange`] (crate::cluster) in multi-node runs. Gradients travel as a few large
+//! flat buckets, not one round-trip per tensor.
 
 use std::sync::{Arc, Condvar, Mutex};
 
