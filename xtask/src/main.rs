@@ -16,12 +16,6 @@ use data::voc::{ClassSource, PetLayout};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-/// mimalloc keeps freed pages for reuse: the training step frees and reallocates the same large
-/// activation buffers every step, which the system allocator returns to the kernel and then
-/// faults back in.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser)]
 #[command(
     name = "cargo xtask",
@@ -103,6 +97,7 @@ struct PrepareArgs {
 }
 
 fn main() -> Result<()> {
+    train::allocator::keep_freed_memory();
     match Cli::parse().command {
         Command::PrepareData(args) => prepare(args),
         Command::Inspect { records } => inspect(&records),

@@ -59,7 +59,7 @@ fn main() {
             if depthwise {
                 drop(cpu::depthwise_backward(&g, &x, &w, &y));
             } else {
-                drop(cpu::conv_backward(&g, &x, &w, &y).x);
+                drop(cpu::conv_backward(&g, &x, &w, &y));
             }
         });
         let dims = [batch, g.out_height * g.out_width];

@@ -272,15 +272,16 @@ impl<B: Backend> Ssd<B> {
             .sum();
         kernels + biases + bn
     }
+}
 
+impl<B: SsdBackend> Ssd<B> {
     /// `sum(w^2) / 2` over every convolution kernel (biases and BatchNorm excluded), the
     /// quantity `tf.nn.l2_loss` regularises.
     pub fn l2_half_sum_of_squares(&self) -> Tensor<B, 1> {
         self.kernels()
             .into_iter()
-            .map(|w| w.square().sum())
+            .map(crate::ops::half_squared_norm)
             .reduce(|a, b| a + b)
             .expect("the network has kernels")
-            .mul_scalar(0.5)
     }
 }

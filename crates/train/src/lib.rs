@@ -2,6 +2,7 @@
 //! EMA, data-parallel replicas with a bucketed gradient all-reduce, atomic checkpoints with
 //! exact resume, and COCO / PASCAL VOC evaluation.
 
+pub mod allocator;
 pub mod charts;
 pub mod checkpoint;
 pub mod cluster;

@@ -19,12 +19,6 @@ use train::eval::{read_coco, run_on_dataset};
 use train::learner::{RunOptions, train};
 use train::metrics::{COCO_NAMES, Metrics, evaluate};
 
-/// mimalloc keeps freed pages for reuse: the training step frees and reallocates the same large
-/// activation buffers every step, which the system allocator returns to the kernel and then
-/// faults back in.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser)]
 #[command(
     name = "train",
@@ -241,6 +235,7 @@ fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
 }
 
 fn main() -> Result<()> {
+    train::allocator::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

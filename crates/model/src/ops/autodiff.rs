@@ -24,9 +24,13 @@ impl<B: SsdBackend, const N: usize> Backward<B, N> for ConvSame<N> {
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let (x, weight, stride, depthwise) = ops.state;
-        let out = B::conv_same_backward(x, weight, grad, stride, depthwise);
-        for (node, value) in ops.parents.into_iter().zip([out.x, out.weight, out.bias]) {
-            if let Some(node) = node {
+        let out = B::conv_same_backward(x, weight, grad, stride, depthwise, N == 3);
+        for (node, value) in ops
+            .parents
+            .into_iter()
+            .zip([Some(out.x), Some(out.weight), out.bias])
+        {
+            if let (Some(node), Some(value)) = (node, value) {
                 grads.register::<B>(node.id, value);
             }
         }
@@ -66,7 +70,35 @@ impl<B: SsdBackend> Backward<B, 3> for BatchNormRelu6 {
     }
 }
 
+/// `sum(x^2) / 2`, whose gradient is `x` times the output gradient.
+#[derive(Debug)]
+struct HalfSquaredNorm;
+
+impl<B: SsdBackend> Backward<B, 1> for HalfSquaredNorm {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(node) = parent {
+            grads.register::<B>(node.id, B::scale_by(ops.state, grad));
+        }
+    }
+}
+
 impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
+    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let out = B::half_squared_norm(x.primitive.clone());
+        match HalfSquaredNorm
+            .prepare::<C>([x.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(x.primitive, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn conv_same(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

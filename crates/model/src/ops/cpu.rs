@@ -287,16 +287,9 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
     y
 }
 
-/// Gradients of a dense convolution.
-pub struct ConvGrads {
-    pub x: Vec<f32>,
-    pub weight: Vec<f32>,
-    /// Per output channel sum of the output gradient.
-    pub bias: Vec<f32>,
-}
-
-/// Backward pass of [`conv_forward`] given the output gradient `dy`.
-pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> ConvGrads {
+/// Backward pass of [`conv_forward`] given the output gradient `dy`: `(dx, dweight)` (the
+/// bias gradient is [`bias_grad`]).
+pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
     // both gradients are written, not accumulated, by the first pass over them: no zeroing
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     let mut dw: Vec<f32> = Vec::with_capacity(weight.len());
@@ -352,11 +345,7 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> ConvGra
     if g.batch == 0 {
         dw.resize(weight.len(), 0.0);
     }
-    ConvGrads {
-        x: dx,
-        weight: dw,
-        bias: bias_grad(dy, g.out_plane(), g.out_channels),
-    }
+    (dx, dw)
 }
 
 /// Lanes of the vectorised reductions below.
@@ -530,6 +519,12 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
         axpy(&mut dw, 1.0, image);
     }
     (dx, dw)
+}
+
+/// `sum(x^2) / 2`, summed in lanes per 4096 values and in `f64` across them.
+pub fn half_squared_norm(x: &[f32]) -> f32 {
+    let sum: f64 = x.chunks(4096).map(|c| dot(c, c) as f64).sum();
+    (sum / 2.0) as f32
 }
 
 /// `(sum(x), sum((x - shift)^2))` of a slice with lane accumulators.

@@ -65,28 +65,29 @@ impl SsdBackend for Flex {
         grad: FloatTensor<Self>,
         stride: usize,
         depthwise: bool,
+        with_bias: bool,
     ) -> ConvGrads<Self> {
         if !all_f32(&[&x, &weight, &grad]) {
-            return reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise);
+            return reference::conv_same_backward::<Self>(
+                x, weight, grad, stride, depthwise, with_bias,
+            );
         }
         let g = geometry(&x, &weight, stride);
         let (x_shape, w_shape) = (x.shape(), weight.shape());
         let (x, weight, grad) = (contiguous(&x), contiguous(&weight), contiguous(&grad));
-        if depthwise {
-            let (dx, dw) = cpu::depthwise_backward(&g, values(&x), values(&weight), values(&grad));
-            let db = cpu::bias_grad(values(&grad), g.out_height * g.out_width, g.out_channels);
-            ConvGrads {
-                x: output(dx, x_shape),
-                weight: output(dw, w_shape),
-                bias: output(db, [g.out_channels]),
-            }
+        let (dx, dw) = if depthwise {
+            cpu::depthwise_backward(&g, values(&x), values(&weight), values(&grad))
         } else {
-            let grads = cpu::conv_backward(&g, values(&x), values(&weight), values(&grad));
-            ConvGrads {
-                x: output(grads.x, x_shape),
-                weight: output(grads.weight, w_shape),
-                bias: output(grads.bias, [g.out_channels]),
-            }
+            cpu::conv_backward(&g, values(&x), values(&weight), values(&grad))
+        };
+        let bias = with_bias.then(|| {
+            let db = cpu::bias_grad(values(&grad), g.out_height * g.out_width, g.out_channels);
+            output(db, [g.out_channels])
+        });
+        ConvGrads {
+            x: output(dx, x_shape),
+            weight: output(dw, w_shape),
+            bias,
         }
     }
 
@@ -149,6 +150,24 @@ impl SsdBackend for Flex {
             gamma: output(dgamma, [channels]),
             beta: output(dbeta, [channels]),
         }
+    }
+
+    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 {
+            return reference::half_squared_norm::<Self>(x);
+        }
+        let x = contiguous(&x);
+        output(vec![cpu::half_squared_norm(values(&x))], [1])
+    }
+
+    fn scale_by(x: FloatTensor<Self>, s: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[&x, &s]) {
+            return reference::scale_by::<Self>(x, s);
+        }
+        let s = values(&contiguous(&s))[0];
+        let shape = x.shape();
+        let x = contiguous(&x);
+        output(values(&x).iter().map(|v| v * s).collect(), shape)
     }
 
     fn affine_relu6(

@@ -24,8 +24,8 @@ pub struct ConvGrads<B: Backend> {
     pub x: FloatTensor<B>,
     /// Gradient of the filters.
     pub weight: FloatTensor<B>,
-    /// Gradient of the bias (the output gradient summed per channel).
-    pub bias: FloatTensor<B>,
+    /// Gradient of the bias (the output gradient summed per channel), when asked for.
+    pub bias: Option<FloatTensor<B>>,
 }
 
 /// Outputs of [`SsdBackend::batch_norm_relu6`].
@@ -64,15 +64,17 @@ pub trait SsdBackend: Backend {
         reference::conv_same::<Self>(x, weight, bias, stride, depthwise)
     }
 
-    /// Backward pass of [`SsdBackend::conv_same`] for the output gradient `grad`.
+    /// Backward pass of [`SsdBackend::conv_same`] for the output gradient `grad`; the bias
+    /// gradient only `with_bias`.
     fn conv_same_backward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         stride: usize,
         depthwise: bool,
+        with_bias: bool,
     ) -> ConvGrads<Self> {
-        reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise)
+        reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise, with_bias)
     }
 
     /// Training-mode BatchNorm (batch statistics) followed by ReLU6.
@@ -108,6 +110,18 @@ pub trait SsdBackend: Backend {
         shift: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         reference::affine_relu6::<Self>(x, scale, shift)
+    }
+
+    /// `sum(x^2) / 2` as a one-element tensor (TF's `tf.nn.l2_loss`, the L2 regulariser of
+    /// one kernel).
+    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::half_squared_norm::<Self>(x)
+    }
+
+    /// `x * s` for a one-element `s`: the backward pass of
+    /// [`SsdBackend::half_squared_norm`] for the output gradient `s`.
+    fn scale_by(x: FloatTensor<Self>, s: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::scale_by::<Self>(x, s)
     }
 }
 
@@ -158,6 +172,11 @@ pub fn affine_relu6<B: SsdBackend>(
     shift: Tensor<B, 1>,
 ) -> Tensor<B, 4> {
     tensor(B::affine_relu6(prim(x), prim(scale), prim(shift)))
+}
+
+/// [`SsdBackend::half_squared_norm`] on tensors.
+pub fn half_squared_norm<B: SsdBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 1> {
+    tensor(B::half_squared_norm(prim(x)))
 }
 
 #[cfg(test)]

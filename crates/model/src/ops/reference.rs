@@ -57,6 +57,7 @@ pub fn conv_same_backward<B: Backend>(
     grad: FloatTensor<B>,
     stride: usize,
     depthwise: bool,
+    with_bias: bool,
 ) -> ConvGrads<B> {
     let [batch, in_channels, h, w] = x.shape().dims();
     let kernel = weight.shape().dims::<4>()[2];
@@ -75,7 +76,7 @@ pub fn conv_same_backward<B: Backend>(
     ConvGrads {
         x: prim(tensor::<B, 4>(dx).slice([0..batch, 0..in_channels, top..top + h, left..left + w])),
         weight: dweight,
-        bias: prim(grad.sum_dims(&[0, 2, 3]).reshape([channels])),
+        bias: with_bias.then(|| prim(grad.sum_dims(&[0, 2, 3]).reshape([channels]))),
     }
 }
 
@@ -148,4 +149,16 @@ pub fn affine_relu6<B: Backend>(
 ) -> FloatTensor<B> {
     let x = tensor::<B, 4>(x);
     prim((x * per_channel(scale) + per_channel(shift)).clamp(0.0, 6.0))
+}
+
+pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let n = x.shape().num_elements();
+    let x = tensor::<B, 1>(B::float_reshape(x, [n].into()));
+    prim(x.square().sum().mul_scalar(0.5))
+}
+
+pub fn scale_by<B: Backend>(x: FloatTensor<B>, s: FloatTensor<B>) -> FloatTensor<B> {
+    let shape = x.shape();
+    let x = tensor::<B, 1>(B::float_reshape(x, [shape.num_elements()].into()));
+    B::float_reshape(prim(x * tensor::<B, 1>(s)), shape)
 }
