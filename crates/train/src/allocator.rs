@@ -24,9 +24,9 @@ pub fn keep_freed_memory() {
 }
 
 /// The current purge delay in milliseconds (`-1`: never).
-pub fn purge_delay_ms() -> i64 {
+pub fn purge_delay_ms() -> std::ffi::c_long {
     // SAFETY: reading an option is thread-safe and has no preconditions.
-    i64::from(unsafe { mi_option_get(PURGE_DELAY) })
+    unsafe { mi_option_get(PURGE_DELAY) }
 }
 
 #[cfg(test)]
