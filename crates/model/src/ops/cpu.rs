@@ -119,7 +119,7 @@ fn valid_range(out: usize, size: usize, stride: usize, k: usize, pad: usize) -> 
 }
 
 /// Row-major matrix product `dst (m x n) (+)= a (m x k) * b (k x n)`, where `a` and `b` may
-/// be stored transposed.
+/// be stored transposed; `parallel` lets the GEMM split a large product over rayon's pool.
 #[allow(clippy::too_many_arguments)]
 fn matmul(
     dst: &mut [f32],
@@ -129,11 +129,21 @@ fn matmul(
     b_transposed: bool,
     [m, n, k]: [usize; 3],
     accumulate: bool,
+    parallel: bool,
 ) {
     // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have the same layout, and every value written
     // through the view is an initialised `f32`.
     let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
-    gemm_into(dst, a, a_transposed, b, b_transposed, [m, n, k], accumulate);
+    gemm_into(
+        dst,
+        a,
+        a_transposed,
+        b,
+        b_transposed,
+        [m, n, k],
+        accumulate,
+        parallel,
+    );
 }
 
 /// [`matmul`] into a destination that may be uninitialised when `accumulate` is false (the
@@ -147,12 +157,13 @@ fn gemm_into(
     b_transposed: bool,
     [m, n, k]: [usize; 3],
     accumulate: bool,
+    parallel: bool,
 ) {
     assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
     // (row stride, column stride) of each operand
     let (a_rs, a_cs) = if a_transposed { (1, m) } else { (k, 1) };
     let (b_rs, b_cs) = if b_transposed { (1, k) } else { (n, 1) };
-    let parallelism = if m * n * k >= 1 << 18 {
+    let parallelism = if parallel && m * n * k >= 1 << 18 {
         Parallelism::Rayon(0)
     } else {
         Parallelism::None
@@ -181,6 +192,26 @@ fn gemm_into(
             false,
             parallelism,
         );
+    }
+}
+
+/// How a batch's per-image products share rayon's pool: `groups` runs of consecutive images
+/// go to separate tasks (no synchronisation inside a product, which for the small products
+/// of the later layers costs more than it saves), and the products themselves split only
+/// when there are more threads than groups.
+struct Split {
+    images_per_group: usize,
+    parallel_products: bool,
+}
+
+impl Split {
+    fn new(batch: usize) -> Self {
+        let threads = rayon::current_num_threads().max(1);
+        let groups = batch.clamp(1, threads);
+        Self {
+            images_per_group: batch.div_ceil(groups).max(1),
+            parallel_products: threads > groups,
+        }
     }
 }
 
@@ -245,39 +276,39 @@ fn col2im(g: &Conv, cols: &[f32], image: &mut [MaybeUninit<f32>]) {
         });
 }
 
+/// Scratch for the unfolded patches of one image (none for a pointwise convolution).
+fn cols_buffer(g: &Conv) -> Vec<f32> {
+    if g.is_pointwise() {
+        Vec::new()
+    } else {
+        vec![0.0; g.patch() * g.out_plane()]
+    }
+}
+
 /// Dense convolution: `x [batch, in, h, w]`, `weight [out, in, k, k]`, optional `bias [out]`.
 pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
-    let len = g.batch * g.out_channels * g.out_plane();
+    let (image_len, out_len) = (g.in_channels * g.in_plane(), g.out_channels * g.out_plane());
+    let len = g.batch * out_len;
+    let split = Split::new(g.batch);
     // every value is written by the per-image products below: no zeroing pass first
     let mut y: Vec<f32> = Vec::with_capacity(len);
-    let mut cols = vec![
-        0.0f32;
-        if g.is_pointwise() {
-            0
-        } else {
-            g.patch() * g.out_plane()
-        }
-    ];
-    for b in 0..g.batch {
-        let image = &x[b * g.in_channels * g.in_plane()..][..g.in_channels * g.in_plane()];
-        let cols: &[f32] = if g.is_pointwise() {
-            image
-        } else {
-            im2col(g, image, &mut cols);
-            &cols
-        };
-        let out = &mut y.spare_capacity_mut()[b * g.out_channels * g.out_plane()..]
-            [..g.out_channels * g.out_plane()];
-        gemm_into(
-            out,
-            weight,
-            false,
-            cols,
-            false,
-            [g.out_channels, g.out_plane(), g.patch()],
-            false,
-        );
-    }
+    y.spare_capacity_mut()[..len]
+        .par_chunks_mut(split.images_per_group * out_len)
+        .zip(x.par_chunks(split.images_per_group * image_len))
+        .for_each(|(outs, images)| {
+            let mut cols = cols_buffer(g);
+            for (out, image) in outs.chunks_mut(out_len).zip(images.chunks(image_len)) {
+                let cols: &[f32] = if g.is_pointwise() {
+                    image
+                } else {
+                    im2col(g, image, &mut cols);
+                    &cols
+                };
+                let shape = [g.out_channels, g.out_plane(), g.patch()];
+                let parallel = split.parallel_products;
+                gemm_into(out, weight, false, cols, false, shape, false, parallel);
+            }
+        });
     // SAFETY: the products above wrote all `len` values (one `out_channels x out_plane` block
     // per image, `batch` blocks).
     unsafe { y.set_len(len) };
@@ -288,62 +319,72 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
 }
 
 /// Backward pass of [`conv_forward`] given the output gradient `dy`: `(dx, dweight)` (the
-/// bias gradient is [`bias_grad`]).
+/// bias gradient is [`bias_grad`]). The filter gradient is summed image by image within each
+/// group of [`Split`], then over the groups in order.
 pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (image_len, out_len) = (g.in_channels * g.in_plane(), g.out_channels * g.out_plane());
+    let split = Split::new(g.batch);
+    let parallel = split.parallel_products;
     // both gradients are written, not accumulated, by the first pass over them: no zeroing
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
-    let mut dw: Vec<f32> = Vec::with_capacity(weight.len());
-    let mut cols = vec![
-        0.0f32;
-        if g.is_pointwise() {
-            0
-        } else {
-            g.patch() * g.out_plane()
-        }
-    ];
-    let mut dcols = cols.clone();
-    let image_len = g.in_channels * g.in_plane();
-    let out_len = g.out_channels * g.out_plane();
-    for b in 0..g.batch {
-        let image = &x[b * image_len..][..image_len];
-        let grad = &dy[b * out_len..][..out_len];
-        let cols: &[f32] = if g.is_pointwise() {
-            image
-        } else {
-            im2col(g, image, &mut cols);
-            &cols
-        };
-        // dW (out x patch) (+)= dY (out x plane) * cols^T (plane x patch)
-        let dw_shape = [g.out_channels, g.patch(), g.out_plane()];
-        if b == 0 {
-            gemm_into(
-                dw.spare_capacity_mut(),
-                grad,
-                false,
-                cols,
-                true,
-                dw_shape,
-                false,
-            );
-            // SAFETY: the product wrote all `out_channels * patch` (= `weight.len()`) values.
-            unsafe { dw.set_len(weight.len()) };
-        } else {
-            matmul(&mut dw, grad, false, cols, true, dw_shape, true);
-        }
-        // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
-        let dcols_shape = [g.patch(), g.out_plane(), g.out_channels];
-        let dimage = &mut dx.spare_capacity_mut()[b * image_len..][..image_len];
-        if g.is_pointwise() {
-            gemm_into(dimage, weight, true, grad, false, dcols_shape, false);
-        } else {
-            matmul(&mut dcols, weight, true, grad, false, dcols_shape, false);
-            col2im(g, &dcols, dimage);
-        }
-    }
+    let partials: Vec<Vec<f32>> = dx.spare_capacity_mut()[..g.batch * image_len]
+        .par_chunks_mut(split.images_per_group * image_len)
+        .zip(x.par_chunks(split.images_per_group * image_len))
+        .zip(dy.par_chunks(split.images_per_group * out_len))
+        .map(|((dimages, images), grads)| {
+            let mut dw: Vec<f32> = Vec::with_capacity(weight.len());
+            let (mut cols, mut dcols) = (cols_buffer(g), cols_buffer(g));
+            let per_image = dimages
+                .chunks_mut(image_len)
+                .zip(images.chunks(image_len))
+                .zip(grads.chunks(out_len));
+            for (b, ((dimage, image), grad)) in per_image.enumerate() {
+                let cols: &[f32] = if g.is_pointwise() {
+                    image
+                } else {
+                    im2col(g, image, &mut cols);
+                    &cols
+                };
+                // dW (out x patch) (+)= dY (out x plane) * cols^T (plane x patch)
+                let dw_shape = [g.out_channels, g.patch(), g.out_plane()];
+                if b == 0 {
+                    let dst = dw.spare_capacity_mut();
+                    gemm_into(dst, grad, false, cols, true, dw_shape, false, parallel);
+                    // SAFETY: the product wrote all `out_channels * patch` values.
+                    unsafe { dw.set_len(weight.len()) };
+                } else {
+                    matmul(&mut dw, grad, false, cols, true, dw_shape, true, parallel);
+                }
+                // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
+                let dcols_shape = [g.patch(), g.out_plane(), g.out_channels];
+                if g.is_pointwise() {
+                    gemm_into(
+                        dimage,
+                        weight,
+                        true,
+                        grad,
+                        false,
+                        dcols_shape,
+                        false,
+                        parallel,
+                    );
+                } else {
+                    let shape = dcols_shape;
+                    matmul(
+                        &mut dcols, weight, true, grad, false, shape, false, parallel,
+                    );
+                    col2im(g, &dcols, dimage);
+                }
+            }
+            dw
+        })
+        .collect();
     // SAFETY: every image's block of `dx` was written above (`batch` blocks of `image_len`).
     unsafe { dx.set_len(g.batch * image_len) };
-    if g.batch == 0 {
-        dw.resize(weight.len(), 0.0);
+    let mut partials = partials.into_iter();
+    let mut dw = partials.next().unwrap_or_else(|| vec![0.0; weight.len()]);
+    for partial in partials {
+        axpy(&mut dw, 1.0, &partial);
     }
     (dx, dw)
 }
@@ -400,22 +441,35 @@ impl Phased {
         height * self.stride * self.phase_width
     }
 
+    /// The columns of each input row, phase by phase (a phase shorter than `phase_width`
+    /// leaves its last value as it was).
     fn split(&self, plane: &[f32], out: &mut [f32]) {
-        for (row, src) in plane.chunks(self.width).enumerate() {
-            for (col, &v) in src.iter().enumerate() {
-                let phase = col % self.stride;
-                out[(row * self.stride + phase) * self.phase_width + col / self.stride] = v;
+        let runs = out.chunks_mut(self.phase_width);
+        for (run, (row, phase)) in runs.zip(self.rows_and_phases(plane.len())) {
+            let src = plane[row * self.width..][..self.width].iter().skip(phase);
+            for (o, &v) in run.iter_mut().zip(src.step_by(self.stride)) {
+                *o = v;
             }
         }
     }
 
+    /// The inverse of [`Phased::split`].
     fn merge(&self, split: &[f32], plane: &mut [f32]) {
-        for (row, dst) in plane.chunks_mut(self.width).enumerate() {
-            for (col, v) in dst.iter_mut().enumerate() {
-                let phase = col % self.stride;
-                *v = split[(row * self.stride + phase) * self.phase_width + col / self.stride];
+        let runs = split.chunks(self.phase_width);
+        for (run, (row, phase)) in runs.zip(self.rows_and_phases(plane.len())) {
+            let dst = plane[row * self.width..][..self.width]
+                .iter_mut()
+                .skip(phase);
+            for (d, &v) in dst.step_by(self.stride).zip(run) {
+                *d = v;
             }
         }
+    }
+
+    /// `(row, phase)` of each run of the split plane, in order.
+    fn rows_and_phases(&self, plane_len: usize) -> impl Iterator<Item = (usize, usize)> {
+        let stride = self.stride;
+        (0..plane_len / self.width).flat_map(move |row| (0..stride).map(move |p| (row, p)))
     }
 
     /// Where the input columns of outputs `lo..hi` at kernel offset `offset` (input column
@@ -454,16 +508,15 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
     let mut y = vec![0.0f32; g.batch * c * g.out_plane()];
     y.par_chunks_mut(g.out_plane())
         .enumerate()
-        .for_each(|(p, out)| {
+        .for_each_init(Vec::new, |split, (p, out)| {
             let plane = &x[p * g.in_plane()..][..g.in_plane()];
             let filter = &weight[(p % c) * kk..][..kk];
-            let mut split = Vec::new();
             let xs: &[f32] = if g.stride == 1 {
                 plane
             } else {
                 split.resize(phased.len(g.height), 0.0);
-                phased.split(plane, &mut split);
-                &split
+                phased.split(plane, split);
+                split
             };
             for_each_tap(g, |oy, iy, ky, kx, lo, hi, offset| {
                 let src = &xs[phased.start(iy, lo, offset)..][..hi - lo];
@@ -485,35 +538,38 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
     dx.par_chunks_mut(g.in_plane())
         .zip(partial.par_chunks_mut(kk))
         .enumerate()
-        .for_each(|(p, (dplane, dfilter))| {
-            let plane = &x[p * g.in_plane()..][..g.in_plane()];
-            let grad = &dy[p * g.out_plane()..][..g.out_plane()];
-            let filter = &weight[(p % c) * kk..][..kk];
-            let (mut xs_buf, mut dxs_buf) = (Vec::new(), Vec::new());
-            let xs: &[f32] = if g.stride == 1 {
-                plane
-            } else {
-                xs_buf.resize(phased.len(g.height), 0.0);
-                phased.split(plane, &mut xs_buf);
-                &xs_buf
-            };
-            let dxs: &mut [f32] = if g.stride == 1 {
-                dplane
-            } else {
-                dxs_buf.resize(phased.len(g.height), 0.0);
-                &mut dxs_buf
-            };
-            for_each_tap(g, |oy, iy, ky, kx, lo, hi, offset| {
-                let at = phased.start(iy, lo, offset);
-                let grow = &grad[oy * g.out_width..][lo..hi];
-                let tap = ky * g.kernel + kx;
-                dfilter[tap] += dot(grow, &xs[at..][..hi - lo]);
-                axpy(&mut dxs[at..][..hi - lo], filter[tap], grow);
-            });
-            if g.stride != 1 {
-                phased.merge(&dxs_buf, dplane);
-            }
-        });
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(xs_buf, dxs_buf), (p, (dplane, dfilter))| {
+                let plane = &x[p * g.in_plane()..][..g.in_plane()];
+                let grad = &dy[p * g.out_plane()..][..g.out_plane()];
+                let filter = &weight[(p % c) * kk..][..kk];
+                let xs: &[f32] = if g.stride == 1 {
+                    plane
+                } else {
+                    xs_buf.resize(phased.len(g.height), 0.0);
+                    phased.split(plane, xs_buf);
+                    xs_buf
+                };
+                let dxs: &mut [f32] = if g.stride == 1 {
+                    dplane
+                } else {
+                    dxs_buf.clear();
+                    dxs_buf.resize(phased.len(g.height), 0.0);
+                    dxs_buf
+                };
+                for_each_tap(g, |oy, iy, ky, kx, lo, hi, offset| {
+                    let at = phased.start(iy, lo, offset);
+                    let grow = &grad[oy * g.out_width..][lo..hi];
+                    let tap = ky * g.kernel + kx;
+                    dfilter[tap] += dot(grow, &xs[at..][..hi - lo]);
+                    axpy(&mut dxs[at..][..hi - lo], filter[tap], grow);
+                });
+                if g.stride != 1 {
+                    phased.merge(dxs_buf, dplane);
+                }
+            },
+        );
     let mut dw = vec![0.0f32; weight.len()];
     for image in partial.chunks(c * kk) {
         axpy(&mut dw, 1.0, image);
