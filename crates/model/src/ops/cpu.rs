@@ -419,84 +419,158 @@ fn axpy(dst: &mut [f32], w: f32, src: &[f32]) {
     }
 }
 
-/// A plane's columns regrouped by `column % stride`, so that the strided columns one kernel
-/// tap reads are contiguous: column `j * stride + phase` of row `r` sits at
-/// `(r * stride + phase) * ceil(w / stride) + j`. Stride 1 is the plane itself.
-struct Phased {
+/// Values of a depthwise block (see [`Padded::blocks`]): its nine taps' runs then stay in
+/// the L1 cache.
+const BLOCK_VALUES: usize = 2048;
+
+/// One depthwise plane zero-padded as the SAME convolution reads it and with its columns
+/// regrouped by `column % stride`, so that the inputs one kernel tap reads for a row of
+/// outputs are one contiguous run: padded column `c` of padded row `r` sits at
+/// `(r * stride + c % stride) * run + c / stride`.
+struct Padded {
+    kernel: usize,
     stride: usize,
+    pad_top: usize,
+    pad_left: usize,
     width: usize,
-    phase_width: usize,
+    rows: usize,
+    run: usize,
+    out_width: usize,
 }
 
-impl Phased {
-    fn new(width: usize, stride: usize) -> Self {
+impl Padded {
+    fn new(g: &Conv) -> Self {
+        let padded_width = (g.out_width.max(1) - 1) * g.stride + g.kernel;
         Self {
-            stride,
-            width,
-            phase_width: width.div_ceil(stride),
+            kernel: g.kernel,
+            stride: g.stride,
+            pad_top: g.pad_top,
+            pad_left: g.pad_left,
+            width: g.width,
+            rows: (g.out_height.max(1) - 1) * g.stride + g.kernel,
+            run: padded_width.div_ceil(g.stride),
+            out_width: g.out_width,
         }
     }
 
-    fn len(&self, height: usize) -> usize {
-        height * self.stride * self.phase_width
+    fn len(&self) -> usize {
+        self.rows * self.stride * self.run
     }
 
-    /// The columns of each input row, phase by phase (a phase shorter than `phase_width`
-    /// leaves its last value as it was).
-    fn split(&self, plane: &[f32], out: &mut [f32]) {
-        let runs = out.chunks_mut(self.phase_width);
-        for (run, (row, phase)) in runs.zip(self.rows_and_phases(plane.len())) {
-            let src = plane[row * self.width..][..self.width].iter().skip(phase);
-            for (o, &v) in run.iter_mut().zip(src.step_by(self.stride)) {
-                *o = v;
+    /// Where padded column `c` of padded row `r` sits.
+    fn at(&self, r: usize, c: usize) -> usize {
+        (r * self.stride + c % self.stride) * self.run + c / self.stride
+    }
+
+    /// For each column phase, the first input column of that phase and how many of that
+    /// phase the padded plane holds: `(ix0, count)`, the columns `ix0, ix0 + stride, ...`
+    /// going to consecutive places of a row from `at(r, ix0 + pad_left)`.
+    fn column_phases(&self) -> Vec<(usize, usize)> {
+        // input columns the padded plane holds
+        let cols = self
+            .width
+            .min((self.run * self.stride).saturating_sub(self.pad_left));
+        (0..self.stride.min(cols))
+            .map(|ix0| (ix0, (cols - ix0).div_ceil(self.stride)))
+            .collect()
+    }
+
+    /// `(input row, padded row)` of the input rows inside the padded plane.
+    fn input_rows(&self, height: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..height)
+            .map(|iy| (iy, iy + self.pad_top))
+            .filter(|&(_, r)| r < self.rows)
+    }
+
+    /// Writes `plane` (`height x width`) into `buf`, zeros around it.
+    fn fill(&self, plane: &[f32], buf: &mut Vec<f32>) {
+        buf.clear();
+        buf.resize(self.len(), 0.0);
+        let phases = self.column_phases();
+        for (iy, r) in self.input_rows(plane.len() / self.width) {
+            let row = &plane[iy * self.width..][..self.width];
+            for &(ix0, count) in &phases {
+                let dst = &mut buf[self.at(r, ix0 + self.pad_left)..][..count];
+                for (d, &v) in dst.iter_mut().zip(row[ix0..].iter().step_by(self.stride)) {
+                    *d = v;
+                }
             }
         }
     }
 
-    /// The inverse of [`Phased::split`].
-    fn merge(&self, split: &[f32], plane: &mut [f32]) {
-        let runs = split.chunks(self.phase_width);
-        for (run, (row, phase)) in runs.zip(self.rows_and_phases(plane.len())) {
-            let dst = plane[row * self.width..][..self.width]
-                .iter_mut()
-                .skip(phase);
-            for (d, &v) in dst.step_by(self.stride).zip(run) {
-                *d = v;
+    /// Reads the plane back out of `buf` (the adjoint of [`Padded::fill`]).
+    fn extract(&self, buf: &[f32], plane: &mut [f32]) {
+        plane.fill(0.0);
+        let phases = self.column_phases();
+        for (iy, r) in self.input_rows(plane.len() / self.width) {
+            let row = &mut plane[iy * self.width..][..self.width];
+            for &(ix0, count) in &phases {
+                let src = &buf[self.at(r, ix0 + self.pad_left)..][..count];
+                for (d, &v) in row[ix0..].iter_mut().step_by(self.stride).zip(src) {
+                    *d = v;
+                }
             }
         }
     }
 
-    /// `(row, phase)` of each run of the split plane, in order.
-    fn rows_and_phases(&self, plane_len: usize) -> impl Iterator<Item = (usize, usize)> {
-        let stride = self.stride;
-        (0..plane_len / self.width).flat_map(move |row| (0..stride).map(move |p| (row, p)))
+    /// Start of the run that tap `(ky, kx)` reads for output row `oy`: output column `ox`
+    /// reads `buf[start + ox]`.
+    fn tap(&self, oy: usize, ky: usize, kx: usize) -> usize {
+        self.at(oy * self.stride + ky, kx)
     }
 
-    /// Where the input columns of outputs `lo..hi` at kernel offset `offset` (input column
-    /// `ox * stride + offset`) start in input row `row` of the split plane.
-    fn start(&self, row: usize, lo: usize, offset: isize) -> usize {
-        let s = self.stride as isize;
-        let phase = offset.rem_euclid(s);
-        let shift = (offset - phase) / s;
-        (row * self.stride + phase as usize) * self.phase_width + (lo as isize + shift) as usize
+    /// Output rows computed as one run, `(first row, rows)`. With stride 1 the runs a tap
+    /// reads for consecutive output rows follow each other `run` apart, so up to
+    /// [`BLOCK_VALUES`] of a plane's values are one block (row `j` of it at `j * run`,
+    /// `run - out_width` padding values between rows); with a larger stride each row is a
+    /// block.
+    fn blocks(&self, out_height: usize) -> Vec<(usize, usize)> {
+        let rows = if self.stride == 1 {
+            (BLOCK_VALUES / self.run).max(1)
+        } else {
+            1
+        };
+        (0..out_height)
+            .step_by(rows)
+            .map(|oy| (oy, rows.min(out_height - oy)))
+            .collect()
+    }
+
+    /// Length of a block of `rows` output rows (at most one row unless the stride is 1).
+    fn block_len(&self, rows: usize) -> usize {
+        (rows.max(1) - 1) * self.run + self.out_width
+    }
+
+    /// The runs of every tap for the block starting at output row `oy`, in filter order.
+    fn taps<'a>(
+        &'a self,
+        buf: &'a [f32],
+        (oy, rows): (usize, usize),
+    ) -> impl Iterator<Item = &'a [f32]> + 'a {
+        (0..self.kernel * self.kernel).map(move |t| {
+            let start = self.tap(oy, t / self.kernel, t % self.kernel);
+            &buf[start..][..self.block_len(rows)]
+        })
     }
 }
 
-/// Calls `tap(oy, iy, ky, kx, lo, hi, offset)` for every output row and in-image kernel tap
-/// of a depthwise plane: outputs `lo..hi` of row `oy` read input row `iy`, columns
-/// `ox * stride + offset`.
-fn for_each_tap(g: &Conv, mut tap: impl FnMut(usize, usize, usize, usize, usize, usize, isize)) {
-    for oy in 0..g.out_height {
-        for ky in 0..g.kernel {
-            let Some(iy) = g.input_row(oy, ky) else {
-                continue;
-            };
-            for kx in 0..g.kernel {
-                let (lo, hi) = g.valid_columns(kx);
-                tap(oy, iy, ky, kx, lo, hi, kx as isize - g.pad_left as isize);
-            }
+/// `out[i] = sum_t w[t] * taps[t][i]` for a 3x3 filter, in one pass over the row.
+fn row3x3(out: &mut [f32], taps: [&[f32]; 9], w: &[f32]) {
+    let n = out.len();
+    let t = taps.map(|t| &t[..n]);
+    for i in 0..n {
+        let mut acc = t[0][i] * w[0];
+        for k in 1..9 {
+            acc = t[k][i].mul_add(w[k], acc);
         }
+        out[i] = acc;
     }
+}
+
+/// The taps of a block as an array (3x3 filters).
+fn taps3x3<'a>(padded: &'a Padded, buf: &'a [f32], block: (usize, usize)) -> [&'a [f32]; 9] {
+    let mut taps = padded.taps(buf, block);
+    std::array::from_fn(|_| taps.next().unwrap_or_default())
 }
 
 /// Depthwise convolution (`in_channels == out_channels`, one `k x k` filter per channel):
@@ -504,26 +578,33 @@ fn for_each_tap(g: &Conv, mut tap: impl FnMut(usize, usize, usize, usize, usize,
 pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
     let c = g.in_channels;
     let kk = g.kernel * g.kernel;
-    let phased = Phased::new(g.width, g.stride);
+    let padded = Padded::new(g);
+    let blocks = padded.blocks(g.out_height);
     let mut y = vec![0.0f32; g.batch * c * g.out_plane()];
-    y.par_chunks_mut(g.out_plane())
+    y.par_chunks_mut(g.out_plane().max(1))
         .enumerate()
-        .for_each_init(Vec::new, |split, (p, out)| {
-            let plane = &x[p * g.in_plane()..][..g.in_plane()];
-            let filter = &weight[(p % c) * kk..][..kk];
-            let xs: &[f32] = if g.stride == 1 {
-                plane
-            } else {
-                split.resize(phased.len(g.height), 0.0);
-                phased.split(plane, split);
-                split
-            };
-            for_each_tap(g, |oy, iy, ky, kx, lo, hi, offset| {
-                let src = &xs[phased.start(iy, lo, offset)..][..hi - lo];
-                let row = &mut out[oy * g.out_width..][lo..hi];
-                axpy(row, filter[ky * g.kernel + kx], src);
-            });
-        });
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(buf, flat), (p, out)| {
+                let filter = &weight[(p % c) * kk..][..kk];
+                padded.fill(&x[p * g.in_plane()..][..g.in_plane()], buf);
+                for &(oy, rows) in &blocks {
+                    flat.clear();
+                    flat.resize(padded.block_len(rows), 0.0);
+                    if kk == 9 {
+                        row3x3(flat, taps3x3(&padded, buf, (oy, rows)), filter);
+                    } else {
+                        for (tap, &w) in padded.taps(buf, (oy, rows)).zip(filter) {
+                            axpy(flat, w, tap);
+                        }
+                    }
+                    let out_rows = out[oy * g.out_width..].chunks_mut(g.out_width);
+                    for (j, row) in out_rows.take(rows).enumerate() {
+                        row.copy_from_slice(&flat[j * padded.run..][..g.out_width]);
+                    }
+                }
+            },
+        );
     y
 }
 
@@ -531,43 +612,39 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
 pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let c = g.in_channels;
     let kk = g.kernel * g.kernel;
-    let phased = Phased::new(g.width, g.stride);
+    let padded = Padded::new(g);
+    let blocks = padded.blocks(g.out_height);
     let mut dx = vec![0.0f32; x.len()];
     // per-plane filter gradients, summed over the batch below
     let mut partial = vec![0.0f32; g.batch * c * kk];
-    dx.par_chunks_mut(g.in_plane())
+    dx.par_chunks_mut(g.in_plane().max(1))
         .zip(partial.par_chunks_mut(kk))
         .enumerate()
         .for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(xs_buf, dxs_buf), (p, (dplane, dfilter))| {
-                let plane = &x[p * g.in_plane()..][..g.in_plane()];
+            || (Vec::new(), Vec::new(), Vec::new()),
+            |(xs, dxs, flat), (p, (dplane, dfilter))| {
                 let grad = &dy[p * g.out_plane()..][..g.out_plane()];
                 let filter = &weight[(p % c) * kk..][..kk];
-                let xs: &[f32] = if g.stride == 1 {
-                    plane
-                } else {
-                    xs_buf.resize(phased.len(g.height), 0.0);
-                    phased.split(plane, xs_buf);
-                    xs_buf
-                };
-                let dxs: &mut [f32] = if g.stride == 1 {
-                    dplane
-                } else {
-                    dxs_buf.clear();
-                    dxs_buf.resize(phased.len(g.height), 0.0);
-                    dxs_buf
-                };
-                for_each_tap(g, |oy, iy, ky, kx, lo, hi, offset| {
-                    let at = phased.start(iy, lo, offset);
-                    let grow = &grad[oy * g.out_width..][lo..hi];
-                    let tap = ky * g.kernel + kx;
-                    dfilter[tap] += dot(grow, &xs[at..][..hi - lo]);
-                    axpy(&mut dxs[at..][..hi - lo], filter[tap], grow);
-                });
-                if g.stride != 1 {
-                    phased.merge(dxs_buf, dplane);
+                padded.fill(&x[p * g.in_plane()..][..g.in_plane()], xs);
+                dxs.clear();
+                dxs.resize(padded.len(), 0.0);
+                for &(oy, rows) in &blocks {
+                    // the block's output gradient laid out like its runs (zeros between rows)
+                    flat.clear();
+                    flat.resize(padded.block_len(rows), 0.0);
+                    let grad_rows = grad[oy * g.out_width..].chunks(g.out_width);
+                    for (j, row) in grad_rows.take(rows).enumerate() {
+                        flat[j * padded.run..][..g.out_width].copy_from_slice(row);
+                    }
+                    for (d, tap) in dfilter.iter_mut().zip(padded.taps(xs, (oy, rows))) {
+                        *d += dot(flat, tap);
+                    }
+                    for (t, &w) in filter.iter().enumerate() {
+                        let start = padded.tap(oy, t / g.kernel, t % g.kernel);
+                        axpy(&mut dxs[start..][..flat.len()], w, flat);
+                    }
                 }
+                padded.extract(dxs, dplane);
             },
         );
     let mut dw = vec![0.0f32; weight.len()];
