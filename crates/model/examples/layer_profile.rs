@@ -64,11 +64,16 @@ fn main() {
         });
         let dims = [batch, g.out_height * g.out_width];
         let (gamma, beta) = (vec![1.0f32; cout], vec![0.1f32; cout]);
-        let (z, mean, var) = cpu::batch_norm_relu6(&y, dims, &gamma, &beta, 0.001);
+        let (_, mean, var) = cpu::batch_norm_relu6(&y, dims, &gamma, &beta, 0.001);
         let bn_fwd = mean_ms(|| drop(cpu::batch_norm_relu6(&y, dims, &gamma, &beta, 0.001)));
         let bn_bwd = mean_ms(|| {
             drop(cpu::batch_norm_relu6_backward(
-                &y, &z, &y, dims, &gamma, &mean, &var, 0.001,
+                &y,
+                &y,
+                dims,
+                [&gamma, &beta],
+                [&mean, &var],
+                0.001,
             ))
         });
         for (t, v) in totals.iter_mut().zip([conv_fwd, conv_bwd, bn_fwd, bn_bwd]) {

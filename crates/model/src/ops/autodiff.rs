@@ -37,7 +37,7 @@ impl<B: SsdBackend, const N: usize> Backward<B, N> for ConvSame<N> {
     }
 }
 
-/// Input, output, gamma, mean, variance and epsilon of a BatchNorm + ReLU6.
+/// Input, gamma, beta, mean, variance and epsilon of a BatchNorm + ReLU6.
 type BatchNormState<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
@@ -56,8 +56,8 @@ impl<B: SsdBackend> Backward<B, 3> for BatchNormRelu6 {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_gamma, node_beta] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (x, y, gamma, mean, variance, epsilon) = ops.state;
-        let out = B::batch_norm_relu6_backward(x, y, grad, gamma, mean, variance, epsilon);
+        let (x, gamma, beta, mean, variance, epsilon) = ops.state;
+        let out = B::batch_norm_relu6_backward(x, grad, gamma, beta, mean, variance, epsilon);
         for (node, value) in [
             (node_x, out.x),
             (node_gamma, out.gamma),
@@ -153,13 +153,13 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
         let inner = B::batch_norm_relu6(
             x.primitive.clone(),
             gamma.primitive.clone(),
-            beta.primitive,
+            beta.primitive.clone(),
             epsilon,
         );
         let state = (
             x.primitive,
-            inner.y.clone(),
             gamma.primitive,
+            beta.primitive,
             inner.mean.clone(),
             inner.variance.clone(),
             epsilon,

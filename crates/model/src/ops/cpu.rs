@@ -679,22 +679,25 @@ fn sum_and_squares(x: &[f32], shift: f32) -> (f32, f32) {
 }
 
 /// Per-channel statistics of `[batch, channels, plane]` data: the mean and the biased
-/// variance (sums per plane in lanes, across planes in `f64`).
+/// variance, in one pass: sums of `x` and `(x - k)^2` with `k` the channel's first value
+/// (close enough to the mean that `E[(x - k)^2] - (mean - k)^2` loses no precision that
+/// matters), per plane in lanes, across planes in `f64`.
 pub fn channel_moments(x: &[f32], batch: usize, channels: usize) -> (Vec<f32>, Vec<f32>) {
     let plane = x.len() / (batch * channels).max(1);
     let count = (batch * plane) as f64;
     (0..channels)
         .into_par_iter()
         .map(|c| {
-            let planes = || (0..batch).map(|b| &x[(b * channels + c) * plane..][..plane]);
-            let mean = planes()
-                .map(|p| sum_and_squares(p, 0.0).0 as f64)
-                .sum::<f64>()
-                / count;
-            let var = planes()
-                .map(|p| sum_and_squares(p, mean as f32).1 as f64)
-                .sum::<f64>()
-                / count;
+            let planes = (0..batch).map(|b| &x[(b * channels + c) * plane..][..plane]);
+            let k = x.get(c * plane).copied().unwrap_or(0.0);
+            let (mut sum, mut squares) = (0.0f64, 0.0f64);
+            for p in planes {
+                let (s, q) = sum_and_squares(p, k);
+                sum += s as f64;
+                squares += q as f64;
+            }
+            let mean = sum / count;
+            let var = (squares / count - (mean - k as f64).powi(2)).max(0.0);
             (mean as f32, var as f32)
         })
         .unzip()
@@ -749,51 +752,66 @@ pub fn batch_norm_relu6(
     epsilon: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (mean, var) = channel_moments(x, batch, gamma.len());
-    let scale: Vec<f32> = gamma
-        .iter()
-        .zip(&var)
-        .map(|(g, v)| g / (v + epsilon).sqrt())
-        .collect();
-    let shift: Vec<f32> = beta
-        .iter()
-        .zip(&mean)
-        .zip(&scale)
-        .map(|((b, m), s)| b - m * s)
-        .collect();
+    let (scale, shift) = batch_norm_affine([gamma, beta], [&mean, &var], epsilon);
     (affine_relu6(x, plane, &scale, &shift), mean, var)
 }
 
+/// Per-channel `(scale, shift)` of a training-mode BatchNorm: `gamma / sqrt(var + eps)` and
+/// `beta - mean * scale`.
+fn batch_norm_affine(
+    [gamma, beta]: [&[f32]; 2],
+    [mean, variance]: [&[f32]; 2],
+    epsilon: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let scale: Vec<f32> = gamma
+        .iter()
+        .zip(variance)
+        .map(|(g, v)| g / (v + epsilon).sqrt())
+        .collect();
+    let shift = beta
+        .iter()
+        .zip(mean)
+        .zip(&scale)
+        .map(|((b, m), s)| b - m * s)
+        .collect();
+    (scale, shift)
+}
+
 /// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`. The ReLU6 passes gradient where
-/// its input was strictly inside `(0, 6)` (TF's `Relu6Grad`), read off the output `y`.
-#[allow(clippy::too_many_arguments)]
+/// its input `x * scale + shift` was strictly inside `(0, 6)` (TF's `Relu6Grad`), computed
+/// with the forward pass's arithmetic, so the mask is the forward pass's exactly.
 pub fn batch_norm_relu6_backward(
     x: &[f32],
-    y: &[f32],
     dy: &[f32],
     [batch, plane]: [usize; 2],
-    gamma: &[f32],
-    mean: &[f32],
-    variance: &[f32],
+    [gamma, beta]: [&[f32]; 2],
+    [mean, variance]: [&[f32]; 2],
     epsilon: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let channels = gamma.len();
+    let (scale, shift) = batch_norm_affine([gamma, beta], [mean, variance], epsilon);
     let inv_std: Vec<f32> = variance
         .iter()
         .map(|v| 1.0 / (v + epsilon).sqrt())
         .collect();
-    let passes = |v: f32| v > 0.0 && v < 6.0;
+    // the output gradient where ReLU6 passes it
+    let masked = |g: f32, v: f32, s: f32, t: f32| {
+        let z = v * s + t;
+        if z > 0.0 && z < 6.0 { g } else { 0.0 }
+    };
     let (dgamma, dbeta): (Vec<f32>, Vec<f32>) = (0..channels)
         .into_par_iter()
         .map(|c| {
             let (mut sum_dz_xhat, mut sum_dz) = (0.0f64, 0.0f64);
+            let (s_c, t_c, m_c) = (scale[c], shift[c], mean[c]);
             for b in 0..batch {
                 let at = (b * channels + c) * plane;
-                let (xs, ys, gs) = (&x[at..][..plane], &y[at..][..plane], &dy[at..][..plane]);
+                let (xs, gs) = (&x[at..][..plane], &dy[at..][..plane]);
                 let (mut a, mut s) = ([0.0f32; LANES], [0.0f32; LANES]);
-                for (i, ((&xv, &yv), &g)) in xs.iter().zip(ys).zip(gs).enumerate() {
-                    let dz = if passes(yv) { g } else { 0.0 };
+                for (i, (&xv, &g)) in xs.iter().zip(gs).enumerate() {
+                    let dz = masked(g, xv, s_c, t_c);
                     s[i % LANES] += dz;
-                    a[i % LANES] += dz * (xv - mean[c]);
+                    a[i % LANES] += dz * (xv - m_c);
                 }
                 sum_dz += s.iter().sum::<f32>() as f64;
                 sum_dz_xhat += a.iter().sum::<f32>() as f64 * inv_std[c] as f64;
@@ -809,13 +827,14 @@ pub fn batch_norm_relu6_backward(
         .for_each(|(p, out)| {
             let c = p % channels;
             let at = p * plane;
-            let (xs, ys, gs) = (&x[at..][..plane], &y[at..][..plane], &dy[at..][..plane]);
+            let (xs, gs) = (&x[at..][..plane], &dy[at..][..plane]);
             let k = gamma[c] * inv_std[c];
             let mean_dz = dbeta[c] / count;
             let mean_dz_xhat = dgamma[c] / count;
-            for (((o, &xv), &yv), &g) in out.iter_mut().zip(xs).zip(ys).zip(gs) {
-                let dz = if passes(yv) { g } else { 0.0 };
-                let xhat = (xv - mean[c]) * inv_std[c];
+            let (s_c, t_c, m_c, i_c) = (scale[c], shift[c], mean[c], inv_std[c]);
+            for ((o, &xv), &g) in out.iter_mut().zip(xs).zip(gs) {
+                let dz = masked(g, xv, s_c, t_c);
+                let xhat = (xv - m_c) * i_c;
                 o.write(k * (dz - mean_dz - xhat * mean_dz_xhat));
             }
         });

@@ -119,30 +119,28 @@ impl SsdBackend for Flex {
 
     fn batch_norm_relu6_backward(
         x: FloatTensor<Self>,
-        y: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
         mean: FloatTensor<Self>,
         variance: FloatTensor<Self>,
         epsilon: f64,
     ) -> BatchNormGrads<Self> {
-        if !all_f32(&[&x, &y, &grad, &gamma, &mean, &variance]) {
+        if !all_f32(&[&x, &grad, &gamma, &beta, &mean, &variance]) {
             return reference::batch_norm_relu6_backward::<Self>(
-                x, y, grad, gamma, mean, variance, epsilon,
+                x, grad, gamma, beta, mean, variance, epsilon,
             );
         }
         let shape = x.shape();
         let [batch, channels, h, w] = shape.dims();
-        let [x, y, grad, gamma, mean, variance] =
-            [&x, &y, &grad, &gamma, &mean, &variance].map(contiguous);
+        let [x, grad, gamma, beta, mean, variance] =
+            [&x, &grad, &gamma, &beta, &mean, &variance].map(contiguous);
         let (dx, dgamma, dbeta) = cpu::batch_norm_relu6_backward(
             values(&x),
-            values(&y),
             values(&grad),
             [batch, h * w],
-            values(&gamma),
-            values(&mean),
-            values(&variance),
+            [values(&gamma), values(&beta)],
+            [values(&mean), values(&variance)],
             epsilon as f32,
         );
         BatchNormGrads {

@@ -87,19 +87,21 @@ pub trait SsdBackend: Backend {
         reference::batch_norm_relu6::<Self>(x, gamma, beta, epsilon)
     }
 
-    /// Backward pass of [`SsdBackend::batch_norm_relu6`], given its input, output and
-    /// statistics. ReLU6 passes gradient where its input was strictly inside `(0, 6)`.
+    /// Backward pass of [`SsdBackend::batch_norm_relu6`], given its input, parameters and
+    /// statistics. ReLU6 passes gradient where its input was strictly inside `(0, 6)`, which
+    /// the backward pass recomputes from `x` exactly as the forward pass computed it (so the
+    /// output need not be read).
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_relu6_backward(
         x: FloatTensor<Self>,
-        y: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
         mean: FloatTensor<Self>,
         variance: FloatTensor<Self>,
         epsilon: f64,
     ) -> BatchNormGrads<Self> {
-        reference::batch_norm_relu6_backward::<Self>(x, y, grad, gamma, mean, variance, epsilon)
+        reference::batch_norm_relu6_backward::<Self>(x, grad, gamma, beta, mean, variance, epsilon)
     }
 
     /// `clamp(x * scale[c] + shift[c], 0, 6)`: inference-mode BatchNorm folded into a

@@ -113,23 +113,26 @@ pub fn batch_norm_relu6<B: Backend>(
 
 pub fn batch_norm_relu6_backward<B: Backend>(
     x: FloatTensor<B>,
-    y: FloatTensor<B>,
     grad: FloatTensor<B>,
     gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
     mean: FloatTensor<B>,
     variance: FloatTensor<B>,
     epsilon: f64,
 ) -> BatchNormGrads<B> {
-    let (x, y, grad) = (tensor::<B, 4>(x), tensor::<B, 4>(y), tensor::<B, 4>(grad));
+    let (x, grad) = (tensor::<B, 4>(x), tensor::<B, 4>(grad));
     let [batch, channels, h, w] = x.dims();
     let count = (batch * h * w) as f64;
-    let blocked = y
+    let inv_std = per_channel(variance).add_scalar(epsilon).sqrt().recip();
+    let centred = x - per_channel(mean);
+    // ReLU6's input, as the forward pass computes it
+    let z = centred.clone() * inv_std.clone() * per_channel(gamma.clone()) + per_channel(beta);
+    let blocked = z
         .clone()
         .lower_equal_elem(0.0)
-        .bool_or(y.greater_equal_elem(6.0));
+        .bool_or(z.greater_equal_elem(6.0));
     let dz = grad.mask_fill(blocked, 0.0);
-    let inv_std = per_channel(variance).add_scalar(epsilon).sqrt().recip();
-    let x_hat = (x - per_channel(mean)) * inv_std.clone();
+    let x_hat = centred * inv_std.clone();
     let dbeta = dz.clone().sum_dims(&[0, 2, 3]);
     let dgamma = (dz.clone() * x_hat.clone()).sum_dims(&[0, 2, 3]);
     let dx = (dz - dbeta.clone().div_scalar(count) - x_hat * dgamma.clone().div_scalar(count))
