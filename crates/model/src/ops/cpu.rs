@@ -482,17 +482,24 @@ impl Padded {
             .filter(|&(_, r)| r < self.rows)
     }
 
-    /// Writes `plane` (`height x width`) into `buf`, zeros around it.
+    /// Writes `plane` (`height x width`) into `buf`, zeros around it. Every fill writes the
+    /// same places, so a buffer already of this layout keeps its zeros and is not cleared.
     fn fill(&self, plane: &[f32], buf: &mut Vec<f32>) {
-        buf.clear();
-        buf.resize(self.len(), 0.0);
+        if buf.len() != self.len() {
+            buf.clear();
+            buf.resize(self.len(), 0.0);
+        }
         let phases = self.column_phases();
         for (iy, r) in self.input_rows(plane.len() / self.width) {
             let row = &plane[iy * self.width..][..self.width];
             for &(ix0, count) in &phases {
                 let dst = &mut buf[self.at(r, ix0 + self.pad_left)..][..count];
-                for (d, &v) in dst.iter_mut().zip(row[ix0..].iter().step_by(self.stride)) {
-                    *d = v;
+                if self.stride == 1 {
+                    dst.copy_from_slice(&row[ix0..][..count]);
+                } else {
+                    for (d, &v) in dst.iter_mut().zip(row[ix0..].iter().step_by(self.stride)) {
+                        *d = v;
+                    }
                 }
             }
         }
@@ -500,14 +507,22 @@ impl Padded {
 
     /// Reads the plane back out of `buf` (the adjoint of [`Padded::fill`]).
     fn extract(&self, buf: &[f32], plane: &mut [f32]) {
-        plane.fill(0.0);
         let phases = self.column_phases();
-        for (iy, r) in self.input_rows(plane.len() / self.width) {
+        let height = plane.len() / self.width;
+        let held: usize = phases.iter().map(|&(_, count)| count).sum();
+        if held < self.width || self.input_rows(height).count() < height {
+            plane.fill(0.0);
+        }
+        for (iy, r) in self.input_rows(height) {
             let row = &mut plane[iy * self.width..][..self.width];
             for &(ix0, count) in &phases {
                 let src = &buf[self.at(r, ix0 + self.pad_left)..][..count];
-                for (d, &v) in row[ix0..].iter_mut().step_by(self.stride).zip(src) {
-                    *d = v;
+                if self.stride == 1 {
+                    row[ix0..][..count].copy_from_slice(src);
+                } else {
+                    for (d, &v) in row[ix0..].iter_mut().step_by(self.stride).zip(src) {
+                        *d = v;
+                    }
                 }
             }
         }
@@ -589,11 +604,12 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
                 let filter = &weight[(p % c) * kk..][..kk];
                 padded.fill(&x[p * g.in_plane()..][..g.in_plane()], buf);
                 for &(oy, rows) in &blocks {
-                    flat.clear();
+                    // every value is written below
                     flat.resize(padded.block_len(rows), 0.0);
                     if kk == 9 {
                         row3x3(flat, taps3x3(&padded, buf, (oy, rows)), filter);
                     } else {
+                        flat.fill(0.0);
                         for (tap, &w) in padded.taps(buf, (oy, rows)).zip(filter) {
                             axpy(flat, w, tap);
                         }
@@ -629,8 +645,8 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                 dxs.clear();
                 dxs.resize(padded.len(), 0.0);
                 for &(oy, rows) in &blocks {
-                    // the block's output gradient laid out like its runs (zeros between rows)
-                    flat.clear();
+                    // the block's output gradient laid out like its runs, zeros between rows
+                    // (every block writes the same places, so the zeros stay)
                     flat.resize(padded.block_len(rows), 0.0);
                     let grad_rows = grad[oy * g.out_width..].chunks(g.out_width);
                     for (j, row) in grad_rows.take(rows).enumerate() {
