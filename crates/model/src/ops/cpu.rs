@@ -423,10 +423,11 @@ fn axpy(dst: &mut [f32], w: f32, src: &[f32]) {
 /// the L1 cache.
 const BLOCK_VALUES: usize = 2048;
 
-/// One depthwise plane zero-padded as the SAME convolution reads it and with its columns
-/// regrouped by `column % stride`, so that the inputs one kernel tap reads for a row of
-/// outputs are one contiguous run: padded column `c` of padded row `r` sits at
-/// `(r * stride + c % stride) * run + c / stride`.
+/// One depthwise plane zero-padded as the SAME convolution reads it and split into
+/// `stride x stride` phase planes by `(row % stride, column % stride)`, so that the inputs
+/// one kernel tap reads for a row of outputs are one contiguous run and those for the next
+/// output row follow `run` further on: padded row `r`, column `c` sits at
+/// `((r % stride) * stride + c % stride) * phase_rows * run + (r / stride) * run + c / stride`.
 struct Padded {
     kernel: usize,
     stride: usize,
@@ -434,6 +435,7 @@ struct Padded {
     pad_left: usize,
     width: usize,
     rows: usize,
+    phase_rows: usize,
     run: usize,
     out_width: usize,
 }
@@ -441,25 +443,28 @@ struct Padded {
 impl Padded {
     fn new(g: &Conv) -> Self {
         let padded_width = (g.out_width.max(1) - 1) * g.stride + g.kernel;
+        let rows = (g.out_height.max(1) - 1) * g.stride + g.kernel;
         Self {
             kernel: g.kernel,
             stride: g.stride,
             pad_top: g.pad_top,
             pad_left: g.pad_left,
             width: g.width,
-            rows: (g.out_height.max(1) - 1) * g.stride + g.kernel,
+            rows,
+            phase_rows: rows.div_ceil(g.stride),
             run: padded_width.div_ceil(g.stride),
             out_width: g.out_width,
         }
     }
 
     fn len(&self) -> usize {
-        self.rows * self.stride * self.run
+        self.stride * self.stride * self.phase_rows * self.run
     }
 
     /// Where padded column `c` of padded row `r` sits.
     fn at(&self, r: usize, c: usize) -> usize {
-        (r * self.stride + c % self.stride) * self.run + c / self.stride
+        let phase = (r % self.stride) * self.stride + c % self.stride;
+        (phase * self.phase_rows + r / self.stride) * self.run + c / self.stride
     }
 
     /// For each column phase, the first input column of that phase and how many of that
@@ -494,11 +499,24 @@ impl Padded {
             let row = &plane[iy * self.width..][..self.width];
             for &(ix0, count) in &phases {
                 let dst = &mut buf[self.at(r, ix0 + self.pad_left)..][..count];
-                if self.stride == 1 {
-                    dst.copy_from_slice(&row[ix0..][..count]);
-                } else {
-                    for (d, &v) in dst.iter_mut().zip(row[ix0..].iter().step_by(self.stride)) {
-                        *d = v;
+                let src = &row[ix0..];
+                match self.stride {
+                    1 => dst.copy_from_slice(&src[..count]),
+                    // pairs: the compiler turns this into vector shuffles
+                    2 => {
+                        let (pairs, last) = src.split_at(src.len() / 2 * 2);
+                        let (whole, tail) = dst.split_at_mut(count.min(pairs.len() / 2));
+                        for (d, pair) in whole.iter_mut().zip(pairs.chunks_exact(2)) {
+                            *d = pair[0];
+                        }
+                        if let (Some(d), Some(&v)) = (tail.first_mut(), last.first()) {
+                            *d = v;
+                        }
+                    }
+                    stride => {
+                        for (d, &v) in dst.iter_mut().zip(src.iter().step_by(stride)) {
+                            *d = v;
+                        }
                     }
                 }
             }
@@ -515,13 +533,28 @@ impl Padded {
         }
         for (iy, r) in self.input_rows(height) {
             let row = &mut plane[iy * self.width..][..self.width];
-            for &(ix0, count) in &phases {
-                let src = &buf[self.at(r, ix0 + self.pad_left)..][..count];
-                if self.stride == 1 {
-                    row[ix0..][..count].copy_from_slice(src);
-                } else {
-                    for (d, &v) in row[ix0..].iter_mut().step_by(self.stride).zip(src) {
-                        *d = v;
+            let run = |ix0: usize, count: usize| &buf[self.at(r, ix0 + self.pad_left)..][..count];
+            match (self.stride, phases.as_slice()) {
+                (1, &[(ix0, count)]) => row[ix0..][..count].copy_from_slice(run(ix0, count)),
+                // both phases of each pair of columns at once: vector shuffles
+                (2, &[(0, even), (1, odd)]) => {
+                    let (even, odd) = (run(0, even), run(1, odd));
+                    let pairs = row.chunks_exact_mut(2);
+                    for ((pair, &e), &o) in pairs.zip(even).zip(odd) {
+                        pair[0] = e;
+                        pair[1] = o;
+                    }
+                    // an even column without its odd partner
+                    if even.len() > odd.len() {
+                        row[2 * odd.len()] = even[odd.len()];
+                    }
+                }
+                _ => {
+                    for &(ix0, count) in &phases {
+                        let src = run(ix0, count);
+                        for (d, &v) in row[ix0..].iter_mut().step_by(self.stride).zip(src) {
+                            *d = v;
+                        }
                     }
                 }
             }
@@ -534,24 +567,19 @@ impl Padded {
         self.at(oy * self.stride + ky, kx)
     }
 
-    /// Output rows computed as one run, `(first row, rows)`. With stride 1 the runs a tap
-    /// reads for consecutive output rows follow each other `run` apart, so up to
-    /// [`BLOCK_VALUES`] of a plane's values are one block (row `j` of it at `j * run`,
-    /// `run - out_width` padding values between rows); with a larger stride each row is a
-    /// block.
+    /// Output rows computed as one run, `(first row, rows)`: the runs a tap reads for
+    /// consecutive output rows follow each other `run` apart, so up to [`BLOCK_VALUES`] of a
+    /// plane's values are one block (row `j` of it at `j * run`, `run - out_width` padding
+    /// values between rows).
     fn blocks(&self, out_height: usize) -> Vec<(usize, usize)> {
-        let rows = if self.stride == 1 {
-            (BLOCK_VALUES / self.run).max(1)
-        } else {
-            1
-        };
+        let rows = (BLOCK_VALUES / self.run).max(1);
         (0..out_height)
             .step_by(rows)
             .map(|oy| (oy, rows.min(out_height - oy)))
             .collect()
     }
 
-    /// Length of a block of `rows` output rows (at most one row unless the stride is 1).
+    /// Length of a block of `rows` output rows.
     fn block_len(&self, rows: usize) -> usize {
         (rows.max(1) - 1) * self.run + self.out_width
     }
@@ -595,12 +623,16 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
     let kk = g.kernel * g.kernel;
     let padded = Padded::new(g);
     let blocks = padded.blocks(g.out_height);
-    let mut y = vec![0.0f32; g.batch * c * g.out_plane()];
-    y.par_chunks_mut(g.out_plane().max(1))
+    let len = g.batch * c * g.out_plane();
+    // zeroed plane by plane, in cache, right before being written
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    y.spare_capacity_mut()[..len]
+        .par_chunks_mut(g.out_plane().max(1))
         .enumerate()
         .for_each_init(
             || (Vec::new(), Vec::new()),
             |(buf, flat), (p, out)| {
+                let out = zero_filled(out);
                 let filter = &weight[(p % c) * kk..][..kk];
                 padded.fill(&x[p * g.in_plane()..][..g.in_plane()], buf);
                 for &(oy, rows) in &blocks {
@@ -621,6 +653,8 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
                 }
             },
         );
+    // SAFETY: every plane of the `len` values was zero-filled above.
+    unsafe { y.set_len(len) };
     y
 }
 
@@ -630,10 +664,12 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
     let kk = g.kernel * g.kernel;
     let padded = Padded::new(g);
     let blocks = padded.blocks(g.out_height);
-    let mut dx = vec![0.0f32; x.len()];
+    // zeroed plane by plane, in cache, right before being written
+    let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     // per-plane filter gradients, summed over the batch below
     let mut partial = vec![0.0f32; g.batch * c * kk];
-    dx.par_chunks_mut(g.in_plane().max(1))
+    dx.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(g.in_plane().max(1))
         .zip(partial.par_chunks_mut(kk))
         .enumerate()
         .for_each_init(
@@ -660,9 +696,11 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                         axpy(&mut dxs[start..][..flat.len()], w, flat);
                     }
                 }
-                padded.extract(dxs, dplane);
+                padded.extract(dxs, zero_filled(dplane));
             },
         );
+    // SAFETY: every plane of `dx` was zero-filled above.
+    unsafe { dx.set_len(x.len()) };
     let mut dw = vec![0.0f32; weight.len()];
     for image in partial.chunks(c * kk) {
         axpy(&mut dw, 1.0, image);

@@ -44,6 +44,11 @@ const CONVS: &[ConvCase] = &[
     ([2, 6, 7, 7], 6, 3, 2, true, true),
     ([1, 2, 1, 1], 2, 3, 1, true, false),
     ([1, 2, 2, 3], 5, 3, 2, false, true),
+    // depthwise planes over several blocks (stride 1 and 2), and a 1x1 stride-2 filter that
+    // leaves the last column unread
+    ([1, 2, 45, 100], 2, 3, 1, true, false),
+    ([1, 2, 61, 99], 2, 3, 2, true, false),
+    ([1, 3, 6, 8], 3, 1, 2, true, false),
 ];
 
 #[test]
