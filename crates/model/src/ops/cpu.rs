@@ -285,6 +285,17 @@ fn cols_buffer(g: &Conv) -> Vec<f32> {
     }
 }
 
+/// The im2col matrix of one image: the image itself for a pointwise convolution, else
+/// unfolded into `cols`.
+fn patches<'a>(g: &Conv, image: &'a [f32], cols: &'a mut [f32]) -> &'a [f32] {
+    if g.is_pointwise() {
+        image
+    } else {
+        im2col(g, image, cols);
+        cols
+    }
+}
+
 /// Dense convolution: `x [batch, in, h, w]`, `weight [out, in, k, k]`, optional `bias [out]`.
 pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
     let (image_len, out_len) = (g.in_channels * g.in_plane(), g.out_channels * g.out_plane());
@@ -298,12 +309,7 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
         .for_each(|(outs, images)| {
             let mut cols = cols_buffer(g);
             for (out, image) in outs.chunks_mut(out_len).zip(images.chunks(image_len)) {
-                let cols: &[f32] = if g.is_pointwise() {
-                    image
-                } else {
-                    im2col(g, image, &mut cols);
-                    &cols
-                };
+                let cols = patches(g, image, &mut cols);
                 let shape = [g.out_channels, g.out_plane(), g.patch()];
                 let parallel = split.parallel_products;
                 gemm_into(out, weight, false, cols, false, shape, false, parallel);
@@ -339,12 +345,7 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f3
                 .zip(images.chunks(image_len))
                 .zip(grads.chunks(out_len));
             for (b, ((dimage, image), grad)) in per_image.enumerate() {
-                let cols: &[f32] = if g.is_pointwise() {
-                    image
-                } else {
-                    im2col(g, image, &mut cols);
-                    &cols
-                };
+                let cols = patches(g, image, &mut cols);
                 // dW (out x patch) (+)= dY (out x plane) * cols^T (plane x patch)
                 let dw_shape = [g.out_channels, g.patch(), g.out_plane()];
                 if b == 0 {
