@@ -199,6 +199,7 @@ impl<B: SsdBackend> Replica<B> {
             ],
             0,
         );
+        let tail_len = tail.dims()[0];
         let (layout, buckets) = flatten_gradients(&self.model, grads, Some(tail));
         if self.trainable.is_empty() {
             self.trainable = crate::sync::trainable_ids(&layout).into_iter().collect();
@@ -207,7 +208,7 @@ impl<B: SsdBackend> Replica<B> {
         let mut buckets = self.sync.all_reduce_mean(self.index, buckets)?;
         let sync_seconds = start.elapsed().as_secs_f64();
         let last = buckets.last().ok_or("the exchange returned no buckets")?;
-        let mean = to_host(last.clone().narrow(0, last.dims()[0] - 5, 5))?;
+        let mean = to_host(last.clone().narrow(0, last.dims()[0] - tail_len, tail_len))?;
         let values = LossValues {
             classification: mean[0],
             localization: mean[1],

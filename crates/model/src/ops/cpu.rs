@@ -118,36 +118,17 @@ fn valid_range(out: usize, size: usize, stride: usize, k: usize, pad: usize) -> 
     (lo.min(hi), hi)
 }
 
-/// Row-major matrix product `dst (m x n) (+)= a (m x k) * b (k x n)`, where `a` and `b` may
-/// be stored transposed; `parallel` lets the GEMM split a large product over rayon's pool.
-#[allow(clippy::too_many_arguments)]
-fn matmul(
-    dst: &mut [f32],
-    a: &[f32],
-    a_transposed: bool,
-    b: &[f32],
-    b_transposed: bool,
-    [m, n, k]: [usize; 3],
-    accumulate: bool,
-    parallel: bool,
-) {
+/// `values` as a destination [`gemm_into`] may overwrite (the inverse of [`zero_filled`]).
+fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
     // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have the same layout, and every value written
     // through the view is an initialised `f32`.
-    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
-    gemm_into(
-        dst,
-        a,
-        a_transposed,
-        b,
-        b_transposed,
-        [m, n, k],
-        accumulate,
-        parallel,
-    );
+    unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
-/// [`matmul`] into a destination that may be uninitialised when `accumulate` is false (the
-/// product overwrites every one of its `m * n` values without reading them).
+/// Row-major matrix product `dst (m x n) (+)= a (m x k) * b (k x n)`, where `a` and `b` may
+/// be stored transposed; `parallel` lets the GEMM split a large product over rayon's pool.
+/// `dst` may be uninitialised when `accumulate` is false (the product overwrites every one
+/// of its `m * n` values without reading them).
 #[allow(clippy::too_many_arguments)]
 fn gemm_into(
     dst: &mut [MaybeUninit<f32>],
@@ -354,7 +335,8 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f3
                     // SAFETY: the product wrote all `out_channels * patch` values.
                     unsafe { dw.set_len(weight.len()) };
                 } else {
-                    matmul(&mut dw, grad, false, cols, true, dw_shape, true, parallel);
+                    let dst = as_uninit(&mut dw);
+                    gemm_into(dst, grad, false, cols, true, dw_shape, true, parallel);
                 }
                 // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
                 let dcols_shape = [g.patch(), g.out_plane(), g.out_channels];
@@ -370,10 +352,8 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f3
                         parallel,
                     );
                 } else {
-                    let shape = dcols_shape;
-                    matmul(
-                        &mut dcols, weight, true, grad, false, shape, false, parallel,
-                    );
+                    let (dst, shape) = (as_uninit(&mut dcols), dcols_shape);
+                    gemm_into(dst, weight, true, grad, false, shape, false, parallel);
                     col2im(g, &dcols, dimage);
                 }
             }
@@ -524,15 +504,11 @@ impl Padded {
         }
     }
 
-    /// Reads the plane back out of `buf` (the adjoint of [`Padded::fill`]).
+    /// Reads the plane back out of `buf` (the adjoint of [`Padded::fill`]) into a zeroed
+    /// `plane`: input places the padded plane does not hold keep their zeros.
     fn extract(&self, buf: &[f32], plane: &mut [f32]) {
         let phases = self.column_phases();
-        let height = plane.len() / self.width;
-        let held: usize = phases.iter().map(|&(_, count)| count).sum();
-        if held < self.width || self.input_rows(height).count() < height {
-            plane.fill(0.0);
-        }
-        for (iy, r) in self.input_rows(height) {
+        for (iy, r) in self.input_rows(plane.len() / self.width) {
             let row = &mut plane[iy * self.width..][..self.width];
             let run = |ix0: usize, count: usize| &buf[self.at(r, ix0 + self.pad_left)..][..count];
             match (self.stride, phases.as_slice()) {
@@ -883,7 +859,7 @@ pub fn batch_norm_relu6_backward(
             let c = p % channels;
             let at = p * plane;
             let (xs, gs) = (&x[at..][..plane], &dy[at..][..plane]);
-            let k = gamma[c] * inv_std[c];
+            let k = scale[c];
             let mean_dz = dbeta[c] / count;
             let mean_dz_xhat = dgamma[c] / count;
             let (s_c, t_c, m_c, i_c) = (scale[c], shift[c], mean[c], inv_std[c]);
