@@ -163,26 +163,29 @@ impl<B: SsdBackend> Ssd<B> {
         maps
     }
 
-    /// Box codes and class logits of every anchor for a `[batch, 3, height, width]` input.
+    /// Box codes and class logits of every anchor for a `[batch, 3, height, width]` input
+    /// (run through [`SsdBackend::on_compute_thread`]).
     pub fn forward(&self, images: Tensor<B, 4>) -> Predictions<B> {
-        let maps = self.feature_maps(images);
-        let mut boxes = Vec::with_capacity(maps.len());
-        let mut classes = Vec::with_capacity(maps.len());
-        for ((map, box_head), class_head) in maps.iter().zip(&self.box_heads).zip(&self.class_heads)
-        {
-            boxes.push(flatten_head(
-                apply_conv(box_head, map.clone()),
-                BoxCoder::CODE_SIZE,
-            ));
-            classes.push(flatten_head(
-                apply_conv(class_head, map.clone()),
-                self.num_classes + 1,
-            ));
-        }
-        Predictions {
-            box_encodings: Tensor::cat(boxes, 1),
-            class_logits: Tensor::cat(classes, 1),
-        }
+        B::on_compute_thread(|| {
+            let maps = self.feature_maps(images);
+            let mut boxes = Vec::with_capacity(maps.len());
+            let mut classes = Vec::with_capacity(maps.len());
+            let heads = self.box_heads.iter().zip(&self.class_heads);
+            for (map, (box_head, class_head)) in maps.iter().zip(heads) {
+                boxes.push(flatten_head(
+                    apply_conv(box_head, map.clone()),
+                    BoxCoder::CODE_SIZE,
+                ));
+                classes.push(flatten_head(
+                    apply_conv(class_head, map.clone()),
+                    self.num_classes + 1,
+                ));
+            }
+            Predictions {
+                box_encodings: Tensor::cat(boxes, 1),
+                class_logits: Tensor::cat(classes, 1),
+            }
+        })
     }
 }
 

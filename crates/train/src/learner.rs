@@ -41,7 +41,7 @@ use crate::events::EventWriter;
 use crate::metrics::{COCO_NAMES, Metrics, evaluate};
 use crate::optim::TfOptimizer;
 use crate::sync::{
-    GradientSync, InProcessAllReduce, bn_stats_flat, flatten_gradients, global_norm,
+    BucketLayout, GradientSync, InProcessAllReduce, bn_stats_flat, flatten_gradients, global_norm,
     set_bn_stats_flat, unflatten_gradients, weight_checksum,
 };
 
@@ -165,6 +165,7 @@ fn panic_message(e: Box<dyn std::any::Any + Send>) -> String {
 }
 
 impl<B: SsdBackend> Replica<B> {
+    /// One training step: this replica's gradients, their mean over all replicas, the update.
     fn step(
         &mut self,
         batch: Batch,
@@ -172,6 +173,28 @@ impl<B: SsdBackend> Replica<B> {
         step: u64,
         stop: bool,
     ) -> Result<Reply<B>, String> {
+        let (layout, buckets, tail_len) = self.gradients(batch, stop);
+        let start = Instant::now();
+        let buckets = self.sync.all_reduce_mean(self.index, buckets)?;
+        let sync_seconds = start.elapsed().as_secs_f64();
+        let last = buckets.last().ok_or("the exchange returned no buckets")?;
+        let mean = to_host(last.clone().narrow(0, last.dims()[0] - tail_len, tail_len))?;
+        self.apply(&layout, buckets, learning_rate, step);
+        Ok(Reply::Stepped {
+            loss: LossValues {
+                classification: mean[0],
+                localization: mean[1],
+                regularization: mean[2],
+                total: mean[3],
+            },
+            sync_seconds,
+            stop: mean[4] > 0.0,
+        })
+    }
+
+    /// This replica's gradients in buckets, the last one followed by a tail of `tail_len`
+    /// values: the loss parts and the stop request.
+    fn gradients(&mut self, batch: Batch, stop: bool) -> (BucketLayout, Vec<Tensor<B, 1>>, usize) {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
         let targets: Vec<_> = batch
@@ -204,17 +227,17 @@ impl<B: SsdBackend> Replica<B> {
         if self.trainable.is_empty() {
             self.trainable = crate::sync::trainable_ids(&layout).into_iter().collect();
         }
-        let start = Instant::now();
-        let mut buckets = self.sync.all_reduce_mean(self.index, buckets)?;
-        let sync_seconds = start.elapsed().as_secs_f64();
-        let last = buckets.last().ok_or("the exchange returned no buckets")?;
-        let mean = to_host(last.clone().narrow(0, last.dims()[0] - tail_len, tail_len))?;
-        let values = LossValues {
-            classification: mean[0],
-            localization: mean[1],
-            regularization: mean[2],
-            total: mean[3],
-        };
+        (layout, buckets, tail_len)
+    }
+
+    /// Clips the averaged gradients (when configured), then updates the weights and the EMA.
+    fn apply(
+        &mut self,
+        layout: &BucketLayout,
+        mut buckets: Vec<Tensor<B, 1>>,
+        learning_rate: f64,
+        step: u64,
+    ) {
         if let Some(max_norm) = self.config.train.gradient_clipping_by_norm {
             let norm = global_norm(&buckets);
             if norm > max_norm {
@@ -222,16 +245,11 @@ impl<B: SsdBackend> Replica<B> {
                 buckets = buckets.into_iter().map(|b| b.mul_scalar(scale)).collect();
             }
         }
-        let grads = unflatten_gradients::<Train<B>>(&layout, buckets);
+        let grads = unflatten_gradients::<Train<B>>(layout, buckets);
         self.model = self.optim.step(learning_rate, self.model.clone(), grads);
         if let Some(ema) = &mut self.ema {
             ema.update(&self.model.valid(), step + 1, &self.trainable);
         }
-        Ok(Reply::Stepped {
-            loss: values,
-            sync_seconds,
-            stop: mean[4] > 0.0,
-        })
     }
 
     fn handle(&mut self, command: Command) -> Result<Reply<B>, String> {
@@ -449,6 +467,11 @@ pub fn train<B: SsdBackend>(
     let (reply_tx, reply_rx) = channel();
     let mut senders = Vec::new();
     let mut handles = Vec::new();
+    // Each replica runs on a thread pool of its own with its share of the cores (rayon's
+    // default: all of them, or RAYON_NUM_THREADS): the CPU kernels' parallel loops start on
+    // the replica's own thread instead of being handed to a shared pool and back, and no
+    // replica's kernels queue behind another's. On a GPU the pool only runs the replica.
+    let threads = (rayon::current_num_threads() / replicas).max(1);
     for (i, device) in devices.iter().enumerate() {
         // Every replica is decoded afresh from the same bytes: the same weights and parameter
         // ids, but its own autodiff leaves and BatchNorm running state (clones would share
@@ -487,10 +510,15 @@ pub fn train<B: SsdBackend>(
         };
         let (tx, rx) = channel();
         let replies = reply_tx.clone();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |t| format!("replica-{i}-{t}"))
+            .build()
+            .with_context(|| format!("starting the {threads} thread(s) of replica {i}"))?;
         handles.push(
             std::thread::Builder::new()
                 .name(format!("replica-{i}"))
-                .spawn(move || replica.run(rx, replies))?,
+                .spawn(move || pool.install(|| replica.run(rx, replies)))?,
         );
         senders.push(tx);
     }

@@ -87,6 +87,10 @@ impl<B: SsdBackend> Backward<B, 1> for HalfSquaredNorm {
 }
 
 impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
+    fn on_compute_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        B::on_compute_thread(f)
+    }
+
     fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
         let out = B::half_squared_norm(x.primitive.clone());
         match HalfSquaredNorm

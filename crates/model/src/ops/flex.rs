@@ -33,6 +33,11 @@ fn geometry(x: &FlexTensor, weight: &FlexTensor, stride: usize) -> Conv {
 }
 
 impl SsdBackend for Flex {
+    fn on_compute_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        // on a pool thread already: in place; otherwise one hand-off for the whole block
+        rayon::scope(|_| f())
+    }
+
     fn conv_same(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

@@ -300,3 +300,19 @@ fn affine_relu6_matches_reference() {
     let fast = affine_relu6(part.clone(), scale.clone(), shift.clone());
     assert_close("affine, view", values(fast), values(reference(part)), 1e-6);
 }
+
+/// The CPU backend runs a block on one of rayon's pool threads (a nested block in place on
+/// that same thread); `Autodiff` delegates to its inner backend.
+#[test]
+fn compute_blocks_run_on_a_pool_thread() {
+    use super::SsdBackend;
+    assert_eq!(rayon::current_thread_index(), None, "the test thread");
+    let (outer, inner) = Flex::on_compute_thread(|| {
+        let outer = rayon::current_thread_index();
+        (outer, Flex::on_compute_thread(rayon::current_thread_index))
+    });
+    assert!(outer.is_some());
+    assert_eq!(inner, outer);
+    assert!(A::on_compute_thread(rayon::current_thread_index).is_some());
+    assert_eq!(Flex::on_compute_thread(|| 6 * 7), 42);
+}
