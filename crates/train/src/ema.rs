@@ -9,6 +9,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use model::Ssd;
+use model::ops::{SsdBackend, moving_average};
 
 /// The decay used after `num_updates` updates.
 pub fn ema_decay(decay: f64, num_updates: u64) -> f64 {
@@ -40,7 +41,7 @@ struct Blend<'a, B: Backend> {
     keep: f64,
 }
 
-impl<B: Backend> ModuleMapper<B> for Blend<'_, B> {
+impl<B: SsdBackend> ModuleMapper<B> for Blend<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let Some(current) = self.current.remove(&param.id) else {
             return param;
@@ -50,7 +51,7 @@ impl<B: Backend> ModuleMapper<B> for Blend<'_, B> {
         param.map(|shadow| {
             let current = current.reshape(shadow.dims()).to_device(&shadow.device());
             if trainable {
-                shadow.clone() - (shadow - current).mul_scalar(1.0 - keep)
+                moving_average(shadow, current, keep as f32)
             } else {
                 current
             }
@@ -58,7 +59,7 @@ impl<B: Backend> ModuleMapper<B> for Blend<'_, B> {
     }
 }
 
-impl<B: Backend> Ema<B> {
+impl<B: SsdBackend> Ema<B> {
     /// Starts the average at `model`'s weights.
     pub fn new(model: Ssd<B>, decay: f64) -> Self {
         Self {

@@ -137,7 +137,7 @@ enum Reply<B: Backend> {
     Done,
 }
 
-struct Replica<B: Backend> {
+struct Replica<B: SsdBackend> {
     index: usize,
     device: B::Device,
     model: Ssd<Train<B>>,

@@ -11,6 +11,7 @@ use burn::optim::SimpleOptimizer;
 use burn::record::Record;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use model::ops::{RmsPropStep, SsdBackend, rmsprop_update};
 
 use crate::config::OptimizerConfig;
 
@@ -81,7 +82,7 @@ pub struct Slots<B: Backend, const D: usize> {
     pub time: usize,
 }
 
-impl<B: Backend> SimpleOptimizer<B> for TfOptimizer {
+impl<B: SsdBackend> SimpleOptimizer<B> for TfOptimizer {
     type State<const D: usize> = Slots<B, D>;
 
     fn step<const D: usize>(
@@ -105,10 +106,13 @@ impl<B: Backend> SimpleOptimizer<B> for TfOptimizer {
                     ),
                     None => (tensor.ones_like(), tensor.zeros_like(), 0),
                 };
-                let ms = ms.mul_scalar(decay) + grad.clone().square().mul_scalar(1.0 - decay);
-                let mom = mom.mul_scalar(momentum)
-                    + grad.mul_scalar(lr) / ms.clone().add_scalar(epsilon).sqrt();
-                let tensor = tensor - mom.clone();
+                let step = RmsPropStep {
+                    learning_rate: lr as f32,
+                    momentum,
+                    decay,
+                    epsilon,
+                };
+                let [tensor, ms, mom] = rmsprop_update([tensor, ms, mom], grad, step);
                 (
                     tensor,
                     Some(Slots {

@@ -7,6 +7,8 @@ use std::mem::MaybeUninit;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::RmsPropStep;
+
 /// Output size and leading padding of TF "SAME" along one axis: `out = ceil(size / stride)`,
 /// total padding `max((out - 1) * stride + kernel - size, 0)`, the smaller half first:
 /// `(out, before, after)`.
@@ -707,6 +709,63 @@ fn sum_and_squares(x: &[f32], shift: f32) -> (f32, f32) {
         }
     }
     (s.iter().sum::<f32>() + ts, q.iter().sum::<f32>() + tq)
+}
+
+/// Values per task of the parallel element-wise loops below.
+const ELEMENTWISE_CHUNK: usize = 1 << 14;
+
+/// [`RmsPropStep`] over slices: `(w, ms, mom)` after the update, in one parallel pass.
+pub fn rmsprop_update([w, ms, mom]: [&[f32]; 3], grad: &[f32], step: RmsPropStep) -> [Vec<f32>; 3] {
+    let n = grad.len();
+    assert!(w.len() == n && ms.len() == n && mom.len() == n);
+    let mut outputs: [Vec<f32>; 3] = std::array::from_fn(|_| Vec::with_capacity(n));
+    let [w2, ms2, mom2] = &mut outputs;
+    w2.spare_capacity_mut()[..n]
+        .par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(ms2.spare_capacity_mut()[..n].par_chunks_mut(ELEMENTWISE_CHUNK))
+        .zip(mom2.spare_capacity_mut()[..n].par_chunks_mut(ELEMENTWISE_CHUNK))
+        .enumerate()
+        .for_each(|(i, ((w_out, ms_out), mom_out))| {
+            let range = i * ELEMENTWISE_CHUNK..(i * ELEMENTWISE_CHUNK + w_out.len());
+            let inputs = w[range.clone()]
+                .iter()
+                .zip(&grad[range.clone()])
+                .zip(&ms[range.clone()])
+                .zip(&mom[range]);
+            let outputs = w_out.iter_mut().zip(ms_out).zip(mom_out);
+            for (((w, ms), mom), (((&w0, &g), &ms0), &mom0)) in outputs.zip(inputs) {
+                let ms1 = ms0 * step.decay + g * g * (1.0 - step.decay);
+                let mom1 =
+                    mom0 * step.momentum + g * step.learning_rate / (ms1 + step.epsilon).sqrt();
+                ms.write(ms1);
+                mom.write(mom1);
+                w.write(w0 - mom1);
+            }
+        });
+    for out in &mut outputs {
+        // SAFETY: the chunks cover all `n` values of each output and each was written above.
+        unsafe { out.set_len(n) };
+    }
+    outputs
+}
+
+/// `average - (1 - keep) (average - value)`, in parallel.
+pub fn moving_average(average: &[f32], value: &[f32], keep: f32) -> Vec<f32> {
+    let n = average.len();
+    assert_eq!(value.len(), n);
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(average.par_chunks(ELEMENTWISE_CHUNK))
+        .zip(value.par_chunks(ELEMENTWISE_CHUNK))
+        .for_each(|((out, a), v)| {
+            for ((o, &a), &v) in out.iter_mut().zip(a).zip(v) {
+                o.write(a - (a - v) * (1.0 - keep));
+            }
+        });
+    // SAFETY: the chunks cover all `n` values and each was written above.
+    unsafe { out.set_len(n) };
+    out
 }
 
 /// Per-channel statistics of `[batch, channels, plane]` data: the mean and the biased

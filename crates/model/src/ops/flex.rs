@@ -7,7 +7,9 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use super::cpu::{self, Conv};
-use super::{BatchNormGrads, BatchNormOutput, ConvGrads, SsdBackend, reference};
+use super::{
+    BatchNormGrads, BatchNormOutput, ConvGrads, RmsPropState, RmsPropStep, SsdBackend, reference,
+};
 
 /// Contiguous `f32` view of a tensor (copied only when it is strided).
 fn contiguous(t: &FlexTensor) -> FlexTensor {
@@ -161,6 +163,42 @@ impl SsdBackend for Flex {
         }
         let x = contiguous(&x);
         output(vec![cpu::half_squared_norm(values(&x))], [1])
+    }
+
+    fn rmsprop_update(
+        state: RmsPropState<Self>,
+        grad: FloatTensor<Self>,
+        step: RmsPropStep,
+    ) -> RmsPropState<Self> {
+        if !all_f32(&[&state.weights, &state.mean_square, &state.momentum, &grad]) {
+            return reference::rmsprop_update::<Self>(state, grad, step);
+        }
+        let shape = grad.shape();
+        let [w, ms, mom, grad] =
+            [state.weights, state.mean_square, state.momentum, grad].map(|t| contiguous(&t));
+        let [w, ms, mom] =
+            cpu::rmsprop_update([values(&w), values(&ms), values(&mom)], values(&grad), step);
+        RmsPropState {
+            weights: output(w, shape.clone()),
+            mean_square: output(ms, shape.clone()),
+            momentum: output(mom, shape),
+        }
+    }
+
+    fn moving_average(
+        average: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        keep: f32,
+    ) -> FloatTensor<Self> {
+        if !all_f32(&[&average, &value]) {
+            return reference::moving_average::<Self>(average, value, keep);
+        }
+        let shape = average.shape();
+        let (average, value) = (contiguous(&average), contiguous(&value));
+        output(
+            cpu::moving_average(values(&average), values(&value), keep),
+            shape,
+        )
     }
 
     fn scale_by(x: FloatTensor<Self>, s: FloatTensor<Self>) -> FloatTensor<Self> {

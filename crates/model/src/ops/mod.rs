@@ -50,6 +50,30 @@ pub struct BatchNormGrads<B: Backend> {
     pub beta: FloatTensor<B>,
 }
 
+/// The constants of one [`SsdBackend::rmsprop_update`] (`tf.train.RMSPropOptimizer`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RmsPropStep {
+    /// Learning rate of this step.
+    pub learning_rate: f32,
+    /// Momentum.
+    pub momentum: f32,
+    /// Decay of the mean square.
+    pub decay: f32,
+    /// Added to the mean square inside the square root.
+    pub epsilon: f32,
+}
+
+/// A parameter and its RMSProp slots, before or after [`SsdBackend::rmsprop_update`].
+#[derive(Debug)]
+pub struct RmsPropState<B: Backend> {
+    /// The parameter.
+    pub weights: FloatTensor<B>,
+    /// Moving mean of the squared gradient (`ms`).
+    pub mean_square: FloatTensor<B>,
+    /// The momentum slot (`mom`).
+    pub momentum: FloatTensor<B>,
+}
+
 /// A backend that runs the network's layers; see the module documentation.
 pub trait SsdBackend: Backend {
     /// Convolution of `x [batch, in, h, w]` with TF "SAME" padding (extra row/column at the
@@ -126,6 +150,27 @@ pub trait SsdBackend: Backend {
         reference::scale_by::<Self>(x, s)
     }
 
+    /// One RMSProp update as TF applies it: `ms <- decay ms + (1 - decay) g^2`,
+    /// `mom <- momentum mom + lr g / sqrt(ms + epsilon)`, `w <- w - mom`, all in `f32`
+    /// (one pass over the four tensors on the CPU instead of ten).
+    fn rmsprop_update(
+        state: RmsPropState<Self>,
+        grad: FloatTensor<Self>,
+        step: RmsPropStep,
+    ) -> RmsPropState<Self> {
+        reference::rmsprop_update::<Self>(state, grad, step)
+    }
+
+    /// One step of an exponential moving average, `average - (1 - keep) (average - value)`
+    /// (`tf.train.ExponentialMovingAverage`'s update), in `f32`.
+    fn moving_average(
+        average: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        keep: f32,
+    ) -> FloatTensor<Self> {
+        reference::moving_average::<Self>(average, value, keep)
+    }
+
     /// Runs `f`, a block of many tensor operations (a forward pass, a training step), where
     /// this backend's kernels start fastest. In place by default; the CPU backend runs it on
     /// a thread of rayon's pool, so that each kernel's parallel loop starts on that thread
@@ -184,6 +229,31 @@ pub fn affine_relu6<B: SsdBackend>(
     shift: Tensor<B, 1>,
 ) -> Tensor<B, 4> {
     tensor(B::affine_relu6(prim(x), prim(scale), prim(shift)))
+}
+
+/// [`SsdBackend::rmsprop_update`] on tensors: `(weights, mean_square, momentum)` after the
+/// update.
+pub fn rmsprop_update<B: SsdBackend, const D: usize>(
+    [weights, mean_square, momentum]: [Tensor<B, D>; 3],
+    grad: Tensor<B, D>,
+    step: RmsPropStep,
+) -> [Tensor<B, D>; 3] {
+    let state = RmsPropState {
+        weights: prim(weights),
+        mean_square: prim(mean_square),
+        momentum: prim(momentum),
+    };
+    let out = B::rmsprop_update(state, prim(grad), step);
+    [out.weights, out.mean_square, out.momentum].map(tensor)
+}
+
+/// [`SsdBackend::moving_average`] on tensors.
+pub fn moving_average<B: SsdBackend, const D: usize>(
+    average: Tensor<B, D>,
+    value: Tensor<B, D>,
+    keep: f32,
+) -> Tensor<B, D> {
+    tensor(B::moving_average(prim(average), prim(value), keep))
 }
 
 /// [`SsdBackend::half_squared_norm`] on tensors.

@@ -8,7 +8,7 @@ use burn::tensor::ops::{ConvOptions, FloatTensor, PadMode};
 use burn::tensor::{Tensor, TensorMetadata};
 
 use super::cpu::same_padding;
-use super::{BatchNormGrads, BatchNormOutput, ConvGrads, prim, tensor};
+use super::{BatchNormGrads, BatchNormOutput, ConvGrads, RmsPropState, RmsPropStep, prim, tensor};
 
 /// `x` padded as TF "SAME" pads it for this kernel and stride, with the convolution options
 /// that then need no padding.
@@ -164,4 +164,38 @@ pub fn scale_by<B: Backend>(x: FloatTensor<B>, s: FloatTensor<B>) -> FloatTensor
     let shape = x.shape();
     let x = tensor::<B, 1>(B::float_reshape(x, [shape.num_elements()].into()));
     B::float_reshape(prim(x * tensor::<B, 1>(s)), shape)
+}
+
+pub fn rmsprop_update<B: Backend>(
+    state: RmsPropState<B>,
+    grad: FloatTensor<B>,
+    step: RmsPropStep,
+) -> RmsPropState<B> {
+    let shape = grad.shape();
+    let flat =
+        |t: FloatTensor<B>| tensor::<B, 1>(B::float_reshape(t, [shape.num_elements()].into()));
+    let (w, g) = (flat(state.weights), flat(grad));
+    let (ms, mom) = (flat(state.mean_square), flat(state.momentum));
+    let ms = ms.mul_scalar(step.decay) + g.clone().square().mul_scalar(1.0 - step.decay);
+    let mom = mom.mul_scalar(step.momentum)
+        + g.mul_scalar(step.learning_rate) / ms.clone().add_scalar(step.epsilon).sqrt();
+    let w = w - mom.clone();
+    let back = |t: Tensor<B, 1>| B::float_reshape(prim(t), shape.clone());
+    RmsPropState {
+        weights: back(w),
+        mean_square: back(ms),
+        momentum: back(mom),
+    }
+}
+
+pub fn moving_average<B: Backend>(
+    average: FloatTensor<B>,
+    value: FloatTensor<B>,
+    keep: f32,
+) -> FloatTensor<B> {
+    let shape = average.shape();
+    let flat =
+        |t: FloatTensor<B>| tensor::<B, 1>(B::float_reshape(t, [shape.num_elements()].into()));
+    let (a, v) = (flat(average), flat(value));
+    B::float_reshape(prim(a.clone() - (a - v).mul_scalar(1.0 - keep)), shape)
 }

@@ -316,3 +316,44 @@ fn compute_blocks_run_on_a_pool_thread() {
     assert!(A::on_compute_thread(rayon::current_thread_index).is_some());
     assert_eq!(Flex::on_compute_thread(|| 6 * 7), 42);
 }
+
+/// The fused CPU updates against the reference's tensor operations, over more values than
+/// one parallel chunk holds.
+#[test]
+fn rmsprop_and_moving_average_match_the_reference() {
+    use super::{RmsPropState, RmsPropStep, moving_average, rmsprop_update};
+    let shape = [3, 7, 41, 47];
+    let w = random(shape, 1);
+    let g = random(shape, 2);
+    let ms = random(shape, 3).abs().add_scalar(0.5);
+    let mom = random(shape, 4);
+    let step = RmsPropStep {
+        learning_rate: 0.004,
+        momentum: 0.9,
+        decay: 0.9,
+        epsilon: 1.0,
+    };
+    let got = rmsprop_update([w.clone(), ms.clone(), mom.clone()], g.clone(), step);
+    let state = RmsPropState {
+        weights: prim(w.clone()),
+        mean_square: prim(ms),
+        momentum: prim(mom),
+    };
+    let want = reference::rmsprop_update::<Flex>(state, prim(g), step);
+    let want = [want.weights, want.mean_square, want.momentum].map(tensor::<Flex, 4>);
+    for (name, (got, want)) in ["weights", "mean square", "momentum"]
+        .iter()
+        .zip(got.into_iter().zip(want))
+    {
+        assert_eq!(got.dims(), shape);
+        assert_close(name, values(got), values(want), 1e-6);
+    }
+    let value = random(shape, 5);
+    let got = moving_average(w.clone(), value.clone(), 0.99);
+    let want = tensor::<Flex, 4>(reference::moving_average::<Flex>(
+        prim(w),
+        prim(value),
+        0.99,
+    ));
+    assert_close("moving average", values(got), values(want), 1e-6);
+}
