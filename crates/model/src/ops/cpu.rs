@@ -768,29 +768,73 @@ pub fn moving_average(average: &[f32], value: &[f32], keep: f32) -> Vec<f32> {
     out
 }
 
-/// Per-channel statistics of `[batch, channels, plane]` data: the mean and the biased
-/// variance, in one pass: sums of `x` and `(x - k)^2` with `k` the channel's first value
-/// (close enough to the mean that `E[(x - k)^2] - (mean - k)^2` loses no precision that
-/// matters), per plane in lanes, across planes in `f64`.
-pub fn channel_moments(x: &[f32], batch: usize, channels: usize) -> (Vec<f32>, Vec<f32>) {
-    let plane = x.len() / (batch * channels).max(1);
-    let count = (batch * plane) as f64;
-    (0..channels)
-        .into_par_iter()
-        .map(|c| {
-            let planes = (0..batch).map(|b| &x[(b * channels + c) * plane..][..plane]);
-            let k = x.get(c * plane).copied().unwrap_or(0.0);
-            let (mut sum, mut squares) = (0.0f64, 0.0f64);
-            for p in planes {
-                let (s, q) = sum_and_squares(p, k);
-                sum += s as f64;
-                squares += q as f64;
-            }
-            let mean = sum / count;
-            let var = (squares / count - (mean - k as f64).powi(2)).max(0.0);
-            (mean as f32, var as f32)
-        })
-        .unzip()
+/// Mean and biased variance of one channel's planes, in one pass: sums of `x` and
+/// `(x - k)^2` with `k` the channel's first value (close enough to the mean that
+/// `E[(x - k)^2] - (mean - k)^2` loses no precision that matters), per plane in lanes, across
+/// planes in `f64`.
+fn moments<'a>(planes: impl Iterator<Item = &'a [f32]> + Clone) -> (f32, f32) {
+    let k = planes
+        .clone()
+        .find_map(|p| p.first().copied())
+        .unwrap_or(0.0);
+    let (mut sum, mut squares, mut count) = (0.0f64, 0.0f64, 0usize);
+    for p in planes {
+        let (s, q) = sum_and_squares(p, k);
+        sum += s as f64;
+        squares += q as f64;
+        count += p.len();
+    }
+    let count = count.max(1) as f64;
+    let mean = sum / count;
+    let var = (squares / count - (mean - k as f64).powi(2)).max(0.0);
+    (mean as f32, var as f32)
+}
+
+/// The planes of `[batch, channels, plane]` data that belong to channel `c`.
+fn channel_planes(
+    x: &[f32],
+    [batch, channels, plane]: [usize; 3],
+    c: usize,
+) -> impl Iterator<Item = &[f32]> + Clone {
+    (0..batch).map(move |b| &x[(b * channels + c) * plane..][..plane])
+}
+
+/// An output of `[batch, channels, plane]` values that parallel tasks fill channel by
+/// channel: each task writes the planes of its own channel, which no other task touches.
+struct ChannelOutput<'a> {
+    values: *mut MaybeUninit<f32>,
+    dims: [usize; 3],
+    _buffer: std::marker::PhantomData<&'a mut [MaybeUninit<f32>]>,
+}
+
+// SAFETY: tasks only reach the buffer through `plane`, whose contract keeps their writes
+// disjoint.
+unsafe impl Send for ChannelOutput<'_> {}
+unsafe impl Sync for ChannelOutput<'_> {}
+
+impl<'a> ChannelOutput<'a> {
+    fn new(values: &'a mut [MaybeUninit<f32>], dims: [usize; 3]) -> Self {
+        assert_eq!(values.len(), dims.iter().product::<usize>());
+        Self {
+            values: values.as_mut_ptr(),
+            dims,
+            _buffer: std::marker::PhantomData,
+        }
+    }
+
+    /// Plane `b` of channel `c`.
+    ///
+    /// # Safety
+    /// Only one task may hold a given `(b, c)` plane at a time.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn plane(&self, b: usize, c: usize) -> &mut [MaybeUninit<f32>] {
+        let [batch, channels, plane] = self.dims;
+        assert!(b < batch && c < channels);
+        // SAFETY: in bounds by the assertion; exclusive by the caller's contract.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.values.add((b * channels + c) * plane), plane)
+        }
+    }
 }
 
 /// `clamp(v * s + t, 0, 6)`.
@@ -833,7 +877,9 @@ pub fn affine_relu6_in_place(x: &mut [f32], plane: usize, scale: &[f32], shift: 
 }
 
 /// Training-mode BatchNorm followed by ReLU6 over `[batch, channels, plane]` data:
-/// `(y, mean, variance)` with the batch mean and biased variance.
+/// `(y, mean, variance)` with the batch mean and biased variance. Channel by channel, so
+/// that the normalising pass reads the planes the statistics pass just brought into the
+/// cache.
 pub fn batch_norm_relu6(
     x: &[f32],
     [batch, plane]: [usize; 2],
@@ -841,35 +887,41 @@ pub fn batch_norm_relu6(
     beta: &[f32],
     epsilon: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let (mean, var) = channel_moments(x, batch, gamma.len());
-    let (scale, shift) = batch_norm_affine([gamma, beta], [&mean, &var], epsilon);
-    (affine_relu6(x, plane, &scale, &shift), mean, var)
+    let dims = [batch, gamma.len(), plane];
+    let mut y: Vec<f32> = Vec::with_capacity(x.len());
+    let out = ChannelOutput::new(&mut y.spare_capacity_mut()[..x.len()], dims);
+    let (mean, var) = (0..gamma.len())
+        .into_par_iter()
+        .map(|c| {
+            let (mean, var) = moments(channel_planes(x, dims, c));
+            let (s, t) = channel_affine(gamma[c], beta[c], mean, var, epsilon);
+            for (b, src) in channel_planes(x, dims, c).enumerate() {
+                // SAFETY: this task is the only one writing channel `c`.
+                let dst = unsafe { out.plane(b, c) };
+                for (o, &v) in dst.iter_mut().zip(src) {
+                    o.write(scaled_relu6(v, s, t));
+                }
+            }
+            (mean, var)
+        })
+        .unzip();
+    // SAFETY: every channel's `batch` planes were written above.
+    unsafe { y.set_len(x.len()) };
+    (y, mean, var)
 }
 
-/// Per-channel `(scale, shift)` of a training-mode BatchNorm: `gamma / sqrt(var + eps)` and
-/// `beta - mean * scale`.
-fn batch_norm_affine(
-    [gamma, beta]: [&[f32]; 2],
-    [mean, variance]: [&[f32]; 2],
-    epsilon: f32,
-) -> (Vec<f32>, Vec<f32>) {
-    let scale: Vec<f32> = gamma
-        .iter()
-        .zip(variance)
-        .map(|(g, v)| g / (v + epsilon).sqrt())
-        .collect();
-    let shift = beta
-        .iter()
-        .zip(mean)
-        .zip(&scale)
-        .map(|((b, m), s)| b - m * s)
-        .collect();
-    (scale, shift)
+/// `(scale, shift)` of one channel of a training-mode BatchNorm: `gamma / sqrt(var + eps)`
+/// and `beta - mean * scale` (the forward and backward passes share this arithmetic, so the
+/// backward pass's ReLU6 mask is the forward pass's exactly).
+fn channel_affine(gamma: f32, beta: f32, mean: f32, var: f32, epsilon: f32) -> (f32, f32) {
+    let scale = gamma / (var + epsilon).sqrt();
+    (scale, beta - mean * scale)
 }
 
 /// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`. The ReLU6 passes gradient where
 /// its input `x * scale + shift` was strictly inside `(0, 6)` (TF's `Relu6Grad`), computed
-/// with the forward pass's arithmetic, so the mask is the forward pass's exactly.
+/// with the forward pass's arithmetic, so the mask is the forward pass's exactly. Channel by
+/// channel, so that the input-gradient pass reads the planes the sums pass just cached.
 pub fn batch_norm_relu6_backward(
     x: &[f32],
     dy: &[f32],
@@ -878,57 +930,56 @@ pub fn batch_norm_relu6_backward(
     [mean, variance]: [&[f32]; 2],
     epsilon: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let channels = gamma.len();
-    let (scale, shift) = batch_norm_affine([gamma, beta], [mean, variance], epsilon);
-    let inv_std: Vec<f32> = variance
-        .iter()
-        .map(|v| 1.0 / (v + epsilon).sqrt())
-        .collect();
-    // the output gradient where ReLU6 passes it
-    let masked = |g: f32, v: f32, s: f32, t: f32| {
-        let z = v * s + t;
-        if z > 0.0 && z < 6.0 { g } else { 0.0 }
-    };
-    let (dgamma, dbeta): (Vec<f32>, Vec<f32>) = (0..channels)
-        .into_par_iter()
-        .map(|c| {
-            let (mut sum_dz_xhat, mut sum_dz) = (0.0f64, 0.0f64);
-            let (s_c, t_c, m_c) = (scale[c], shift[c], mean[c]);
-            for b in 0..batch {
-                let at = (b * channels + c) * plane;
-                let (xs, gs) = (&x[at..][..plane], &dy[at..][..plane]);
-                let (mut a, mut s) = ([0.0f32; LANES], [0.0f32; LANES]);
-                for (i, (&xv, &g)) in xs.iter().zip(gs).enumerate() {
-                    let dz = masked(g, xv, s_c, t_c);
-                    s[i % LANES] += dz;
-                    a[i % LANES] += dz * (xv - m_c);
-                }
-                sum_dz += s.iter().sum::<f32>() as f64;
-                sum_dz_xhat += a.iter().sum::<f32>() as f64 * inv_std[c] as f64;
-            }
-            (sum_dz_xhat as f32, sum_dz as f32)
-        })
-        .unzip();
+    let dims = [batch, gamma.len(), plane];
     let count = (batch * plane) as f32;
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
-    dx.spare_capacity_mut()
-        .par_chunks_mut(plane.max(1))
-        .enumerate()
-        .for_each(|(p, out)| {
-            let c = p % channels;
-            let at = p * plane;
-            let (xs, gs) = (&x[at..][..plane], &dy[at..][..plane]);
-            let k = scale[c];
-            let mean_dz = dbeta[c] / count;
-            let mean_dz_xhat = dgamma[c] / count;
-            let (s_c, t_c, m_c, i_c) = (scale[c], shift[c], mean[c], inv_std[c]);
-            for ((o, &xv), &g) in out.iter_mut().zip(xs).zip(gs) {
-                let dz = masked(g, xv, s_c, t_c);
-                let xhat = (xv - m_c) * i_c;
-                o.write(k * (dz - mean_dz - xhat * mean_dz_xhat));
+    let out = ChannelOutput::new(&mut dx.spare_capacity_mut()[..x.len()], dims);
+    let (dgamma, dbeta) = (0..gamma.len())
+        .into_par_iter()
+        .map(|c| {
+            let (s, t) = channel_affine(gamma[c], beta[c], mean[c], variance[c], epsilon);
+            let inv_std = 1.0 / (variance[c] + epsilon).sqrt();
+            let m = mean[c];
+            // the output gradient where ReLU6 passes it
+            let masked = |g: f32, v: f32| {
+                let z = v * s + t;
+                if z > 0.0 && z < 6.0 { g } else { 0.0 }
+            };
+            let planes = channel_planes(x, dims, c).zip(channel_planes(dy, dims, c));
+            let (mut sum_dz_xhat, mut sum_dz) = (0.0f64, 0.0f64);
+            for (xs, gs) in planes.clone() {
+                let (mut a, mut d) = ([0.0f32; LANES], [0.0f32; LANES]);
+                let (xc, gc) = (xs.chunks_exact(LANES), gs.chunks_exact(LANES));
+                let (mut ta, mut td) = (0.0f32, 0.0f32);
+                for (&xv, &g) in xc.remainder().iter().zip(gc.remainder()) {
+                    let dz = masked(g, xv);
+                    td += dz;
+                    ta += dz * (xv - m);
+                }
+                for (xv, g) in xc.zip(gc) {
+                    for i in 0..LANES {
+                        let dz = masked(g[i], xv[i]);
+                        d[i] += dz;
+                        a[i] += dz * (xv[i] - m);
+                    }
+                }
+                sum_dz += (d.iter().sum::<f32>() + td) as f64;
+                sum_dz_xhat += (a.iter().sum::<f32>() + ta) as f64 * inv_std as f64;
             }
-        });
-    // SAFETY: the chunks cover all `x.len()` values and each was written above.
+            let (dgamma, dbeta) = (sum_dz_xhat as f32, sum_dz as f32);
+            let (mean_dz, mean_dz_xhat) = (dbeta / count, dgamma / count);
+            for (b, (xs, gs)) in planes.enumerate() {
+                // SAFETY: this task is the only one writing channel `c`.
+                let dst = unsafe { out.plane(b, c) };
+                for ((o, &xv), &g) in dst.iter_mut().zip(xs).zip(gs) {
+                    let xhat = (xv - m) * inv_std;
+                    o.write(s * (masked(g, xv) - mean_dz - xhat * mean_dz_xhat));
+                }
+            }
+            (dgamma, dbeta)
+        })
+        .unzip();
+    // SAFETY: every channel's `batch` planes were written above.
     unsafe { dx.set_len(x.len()) };
     (dx, dgamma, dbeta)
 }
