@@ -843,27 +843,8 @@ fn scaled_relu6(v: f32, s: f32, t: f32) -> f32 {
     (v * s + t).clamp(0.0, 6.0)
 }
 
-/// `y = clamp(x * scale[c] + shift[c], 0, 6)` over `[batch, channels, plane]` data.
-pub fn affine_relu6(x: &[f32], plane: usize, scale: &[f32], shift: &[f32]) -> Vec<f32> {
-    let channels = scale.len();
-    let mut y: Vec<f32> = Vec::with_capacity(x.len());
-    y.spare_capacity_mut()
-        .par_chunks_mut(plane.max(1))
-        .zip(x.par_chunks(plane.max(1)))
-        .enumerate()
-        .for_each(|(p, (out, src))| {
-            let (s, t) = (scale[p % channels], shift[p % channels]);
-            for (o, &v) in out.iter_mut().zip(src) {
-                o.write(scaled_relu6(v, s, t));
-            }
-        });
-    // SAFETY: the chunks cover all `x.len()` values and each was written above.
-    unsafe { y.set_len(x.len()) };
-    y
-}
-
-/// [`affine_relu6`] in place (inference: the convolution's output buffer becomes the layer's
-/// output).
+/// `x <- clamp(x * scale[c] + shift[c], 0, 6)` over `[batch, channels, plane]` data, in
+/// place (inference: the convolution's output buffer becomes the layer's output).
 pub fn affine_relu6_in_place(x: &mut [f32], plane: usize, scale: &[f32], shift: &[f32]) {
     let channels = scale.len();
     x.par_chunks_mut(plane.max(1))

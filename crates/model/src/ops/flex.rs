@@ -11,9 +11,15 @@ use super::{
     BatchNormGrads, BatchNormOutput, ConvGrads, RmsPropState, RmsPropStep, SsdBackend, reference,
 };
 
-/// Contiguous `f32` view of a tensor (copied only when it is strided).
+/// A tensor whose values are one contiguous run of its buffer: the tensor itself when they
+/// already are (at any offset, as a view into a larger buffer such as a gradient bucket is;
+/// [`values`] reads just that run), else a contiguous copy.
 fn contiguous(t: &FlexTensor) -> FlexTensor {
-    t.to_contiguous()
+    if t.layout().contiguous_offsets().is_some() {
+        t.clone()
+    } else {
+        t.to_contiguous()
+    }
 }
 
 fn values(t: &FlexTensor) -> &[f32] {
@@ -226,7 +232,7 @@ impl SsdBackend for Flex {
         // output at inference), else into a copy
         let len = shape.num_elements();
         let whole = x.layout().contiguous_offsets() == Some((0, len));
-        let mut y = if whole { x } else { contiguous(&x) };
+        let mut y = if whole { x } else { x.to_contiguous() };
         if y.try_storage_mut::<f32>().is_none_or(|s| s.len() != len) {
             y = FlexTensor::from_data(y.into_data());
         }

@@ -154,16 +154,19 @@ pub fn affine_relu6<B: Backend>(
     prim((x * per_channel(scale) + per_channel(shift)).clamp(0.0, 6.0))
 }
 
-pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+/// `x` as a one-dimensional tensor of all its values.
+fn flat<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 1> {
     let n = x.shape().num_elements();
-    let x = tensor::<B, 1>(B::float_reshape(x, [n].into()));
-    prim(x.square().sum().mul_scalar(0.5))
+    tensor(B::float_reshape(x, [n].into()))
+}
+
+pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    prim(flat::<B>(x).square().sum().mul_scalar(0.5))
 }
 
 pub fn scale_by<B: Backend>(x: FloatTensor<B>, s: FloatTensor<B>) -> FloatTensor<B> {
     let shape = x.shape();
-    let x = tensor::<B, 1>(B::float_reshape(x, [shape.num_elements()].into()));
-    B::float_reshape(prim(x * tensor::<B, 1>(s)), shape)
+    B::float_reshape(prim(flat::<B>(x) * tensor::<B, 1>(s)), shape)
 }
 
 pub fn rmsprop_update<B: Backend>(
@@ -172,10 +175,8 @@ pub fn rmsprop_update<B: Backend>(
     step: RmsPropStep,
 ) -> RmsPropState<B> {
     let shape = grad.shape();
-    let flat =
-        |t: FloatTensor<B>| tensor::<B, 1>(B::float_reshape(t, [shape.num_elements()].into()));
-    let (w, g) = (flat(state.weights), flat(grad));
-    let (ms, mom) = (flat(state.mean_square), flat(state.momentum));
+    let (w, g) = (flat::<B>(state.weights), flat::<B>(grad));
+    let (ms, mom) = (flat::<B>(state.mean_square), flat::<B>(state.momentum));
     let ms = ms.mul_scalar(step.decay) + g.clone().square().mul_scalar(1.0 - step.decay);
     let mom = mom.mul_scalar(step.momentum)
         + g.mul_scalar(step.learning_rate) / ms.clone().add_scalar(step.epsilon).sqrt();
@@ -194,8 +195,6 @@ pub fn moving_average<B: Backend>(
     keep: f32,
 ) -> FloatTensor<B> {
     let shape = average.shape();
-    let flat =
-        |t: FloatTensor<B>| tensor::<B, 1>(B::float_reshape(t, [shape.num_elements()].into()));
-    let (a, v) = (flat(average), flat(value));
+    let (a, v) = (flat::<B>(average), flat::<B>(value));
     B::float_reshape(prim(a.clone() - (a - v).mul_scalar(1.0 - keep)), shape)
 }
