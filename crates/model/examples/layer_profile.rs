@@ -1,13 +1,18 @@
-//! Time of each CPU kernel at the backbone's layer shapes (300x300, depth 1, batch 8):
-//! convolution forward / backward and BatchNorm + ReLU6 forward / backward, in ms, mean of 3
-//! runs after one warm-up. Where a training step's time goes, layer by layer:
+//! Time of each CPU kernel at the network's layer shapes (the default config: 300x300,
+//! depth 1, 37 classes; batch 8): convolution forward / backward and BatchNorm + ReLU6
+//! forward / backward, in ms, mean of 3 runs after one warm-up, for the backbone, the extra
+//! feature layers and the predictor heads (which have a bias and no BatchNorm). Where a
+//! training step's time goes, layer by layer:
 //!
 //! `cargo run --release -p model --example layer_profile [-- BATCH]`
 
 use std::time::Instant;
 
+use model::box_coder::BoxCoder;
+use model::config::SsdConfig;
 use model::mobilenet::SEPARABLE_BLOCKS;
 use model::ops::cpu::{self, Conv};
+use model::ssd::{EXTRA_LAYER_DEPTHS, feature_map_shapes};
 
 fn mean_ms(mut f: impl FnMut()) -> f64 {
     f();
@@ -18,15 +23,46 @@ fn mean_ms(mut f: impl FnMut()) -> f64 {
     start.elapsed().as_secs_f64() * 1000.0 / 3.0
 }
 
-/// `(in, out, input size, stride, depthwise, kernel)` of every backbone convolution.
-fn backbone() -> Vec<(usize, usize, usize, usize, bool, usize)> {
-    let mut layers = vec![(3, 32, 300, 2, false, 3)];
+/// One convolution: `(in, out, input size, stride, kind)`.
+type Layer = (usize, usize, usize, usize, Kind);
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Dense3x3,
+    Depthwise,
+    Pointwise,
+    /// A predictor head: a 1x1 convolution with a bias and no BatchNorm.
+    Head,
+}
+
+/// Every convolution of the default network (square 300x300 input, depth multiplier 1).
+fn network() -> Vec<Layer> {
+    let config = SsdConfig::default();
+    let mut layers = vec![(3, 32, 300, 2, Kind::Dense3x3)];
     let (mut channels, mut size) = (32usize, 150usize);
-    for (stride, depth) in SEPARABLE_BLOCKS {
-        layers.push((channels, channels, size, stride, true, 3));
+    let mut maps = Vec::new();
+    for (i, (stride, depth)) in SEPARABLE_BLOCKS.into_iter().enumerate() {
+        layers.push((channels, channels, size, stride, Kind::Depthwise));
         size = size.div_ceil(stride);
-        layers.push((channels, depth, size, 1, false, 1));
+        layers.push((channels, depth, size, 1, Kind::Pointwise));
         channels = depth;
+        if i == 10 || i == 12 {
+            maps.push(channels);
+        }
+    }
+    for depth in EXTRA_LAYER_DEPTHS {
+        layers.push((channels, depth / 2, size, 1, Kind::Pointwise));
+        layers.push((depth / 2, depth, size, 2, Kind::Dense3x3));
+        (channels, size) = (depth, size.div_ceil(2));
+        maps.push(channels);
+    }
+    let shapes = feature_map_shapes(&config);
+    for ((channels, (size, _)), specs) in
+        maps.into_iter().zip(shapes).zip(config.anchors.box_specs())
+    {
+        let a = specs.len();
+        layers.push((channels, a * BoxCoder::CODE_SIZE, size, 1, Kind::Head));
+        layers.push((channels, a * (config.num_classes + 1), size, 1, Kind::Head));
     }
     layers
 }
@@ -37,7 +73,17 @@ fn main() {
         .and_then(|a| a.parse().ok())
         .unwrap_or(8);
     let mut totals = [0.0f64; 4];
-    for (cin, cout, size, stride, depthwise, k) in backbone() {
+    for (i, (cin, cout, size, stride, kind)) in network().into_iter().enumerate() {
+        // the first layer's input is the images: no input gradient
+        let with_dx = i > 0;
+        let (depthwise, k) = (
+            kind == Kind::Depthwise,
+            if kind == Kind::Pointwise || kind == Kind::Head {
+                1
+            } else {
+                3
+            },
+        );
         let g = Conv::same([batch, cin, size, size], cout, k, stride);
         let x: Vec<f32> = (0..batch * cin * size * size)
             .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
@@ -53,15 +99,31 @@ fn main() {
                 cpu::conv_forward(&g, &x, &w, None)
             }
         };
+        let conv_backward = |dy: &[f32]| {
+            if depthwise {
+                drop(cpu::depthwise_backward(&g, &x, &w, dy));
+            } else {
+                drop(cpu::conv_backward(&g, &x, &w, dy, with_dx));
+            }
+        };
         let y = forward();
         let conv_fwd = mean_ms(|| drop(forward()));
-        let conv_bwd = mean_ms(|| {
-            if depthwise {
-                drop(cpu::depthwise_backward(&g, &x, &w, &y));
-            } else {
-                drop(cpu::conv_backward(&g, &x, &w, &y));
-            }
-        });
+        let conv_bwd = mean_ms(|| conv_backward(&y));
+        let plane = g.out_height * g.out_width;
+        if kind == Kind::Head {
+            let bias = vec![0.1f32; cout];
+            let bias_ms = mean_ms(|| {
+                let mut y = y.clone();
+                cpu::add_bias(&mut y, plane, &bias);
+                drop(cpu::bias_grad(&y, plane, cout));
+            });
+            totals[0] += conv_fwd;
+            totals[1] += conv_bwd + bias_ms;
+            println!(
+                "{cin:5} -> {cout:5} at {size:3}x{size:<3} s{stride} head     : conv fwd {conv_fwd:6.1} bwd {conv_bwd:6.1} | bias {bias_ms:5.1}"
+            );
+            continue;
+        }
         let dims = [batch, g.out_height * g.out_width];
         let (gamma, beta) = (vec![1.0f32; cout], vec![0.1f32; cout]);
         let (_, mean, var) = cpu::batch_norm_relu6(&y, dims, &gamma, &beta, 0.001);
@@ -81,12 +143,10 @@ fn main() {
         }
         println!(
             "{cin:5} -> {cout:5} at {size:3}x{size:<3} s{stride} {:9}: conv fwd {conv_fwd:6.1} bwd {conv_bwd:6.1} | bn+relu6 fwd {bn_fwd:5.1} bwd {bn_bwd:5.1}",
-            if depthwise {
-                "depthwise"
-            } else if k == 1 {
-                "pointwise"
-            } else {
-                "dense 3x3"
+            match kind {
+                Kind::Depthwise => "depthwise",
+                Kind::Pointwise => "pointwise",
+                _ => "dense 3x3",
             }
         );
     }

@@ -9,7 +9,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{BatchNormOutput, SsdBackend};
+use super::{BatchNormOutput, ConvGradsWanted, SsdBackend};
 
 /// What a convolution's backward pass needs: input, filters, stride, depthwise.
 type ConvState<B> = (FloatTensor<B>, FloatTensor<B>, usize, bool);
@@ -24,11 +24,16 @@ impl<B: SsdBackend, const N: usize> Backward<B, N> for ConvSame<N> {
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let (x, weight, stride, depthwise) = ops.state;
-        let out = B::conv_same_backward(x, weight, grad, stride, depthwise, N == 3);
+        // an untracked input (the images) needs no gradient
+        let wanted = ConvGradsWanted {
+            x: ops.parents[0].is_some(),
+            bias: N == 3,
+        };
+        let out = B::conv_same_backward(x, weight, grad, stride, depthwise, wanted);
         for (node, value) in ops
             .parents
             .into_iter()
-            .zip([Some(out.x), Some(out.weight), out.bias])
+            .zip([out.x, Some(out.weight), out.bias])
         {
             if let (Some(node), Some(value)) = (node, value) {
                 grads.register::<B>(node.id, value);

@@ -307,27 +307,39 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
     y
 }
 
-/// Backward pass of [`conv_forward`] given the output gradient `dy`: `(dx, dweight)` (the
-/// bias gradient is [`bias_grad`]). The filter gradient is summed image by image within each
-/// group of [`Split`], then over the groups in order.
-pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+/// Backward pass of [`conv_forward`] given the output gradient `dy`: `(dx, dweight)`, `dx`
+/// only `with_dx` (the bias gradient is [`bias_grad`]). The filter gradient is summed image
+/// by image within each group of [`Split`], then over the groups in order.
+pub fn conv_backward(
+    g: &Conv,
+    x: &[f32],
+    weight: &[f32],
+    dy: &[f32],
+    with_dx: bool,
+) -> (Option<Vec<f32>>, Vec<f32>) {
     let (image_len, out_len) = (g.in_channels * g.in_plane(), g.out_channels * g.out_plane());
     let split = Split::new(g.batch);
     let parallel = split.parallel_products;
     // both gradients are written, not accumulated, by the first pass over them: no zeroing
-    let mut dx: Vec<f32> = Vec::with_capacity(x.len());
-    let partials: Vec<Vec<f32>> = dx.spare_capacity_mut()[..g.batch * image_len]
-        .par_chunks_mut(split.images_per_group * image_len)
-        .zip(x.par_chunks(split.images_per_group * image_len))
-        .zip(dy.par_chunks(split.images_per_group * out_len))
-        .map(|((dimages, images), grads)| {
+    let dx_len = if with_dx { g.batch * image_len } else { 0 };
+    let mut dx: Vec<f32> = Vec::with_capacity(dx_len);
+    // each group's block of `dx` (none without it)
+    let dx_blocks = dx.spare_capacity_mut()[..dx_len]
+        .chunks_mut((split.images_per_group * image_len).max(1))
+        .map(Some)
+        .chain(std::iter::repeat_with(|| None));
+    let groups: Vec<_> = x
+        .chunks(split.images_per_group * image_len)
+        .zip(dy.chunks(split.images_per_group * out_len))
+        .zip(dx_blocks)
+        .collect();
+    let partials: Vec<Vec<f32>> = groups
+        .into_par_iter()
+        .map(|((images, grads), mut dimages)| {
             let mut dw: Vec<f32> = Vec::with_capacity(weight.len());
             let (mut cols, mut dcols) = (cols_buffer(g), cols_buffer(g));
-            let per_image = dimages
-                .chunks_mut(image_len)
-                .zip(images.chunks(image_len))
-                .zip(grads.chunks(out_len));
-            for (b, ((dimage, image), grad)) in per_image.enumerate() {
+            let per_image = images.chunks(image_len).zip(grads.chunks(out_len));
+            for (b, (image, grad)) in per_image.enumerate() {
                 let cols = patches(g, image, &mut cols);
                 // dW (out x patch) (+)= dY (out x plane) * cols^T (plane x patch)
                 let dw_shape = [g.out_channels, g.patch(), g.out_plane()];
@@ -340,6 +352,10 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f3
                     let dst = as_uninit(&mut dw);
                     gemm_into(dst, grad, false, cols, true, dw_shape, true, parallel);
                 }
+                let Some(dimages) = dimages.as_deref_mut() else {
+                    continue;
+                };
+                let dimage = &mut dimages[b * image_len..][..image_len];
                 // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
                 let dcols_shape = [g.patch(), g.out_plane(), g.out_channels];
                 if g.is_pointwise() {
@@ -362,8 +378,12 @@ pub fn conv_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f3
             dw
         })
         .collect();
-    // SAFETY: every image's block of `dx` was written above (`batch` blocks of `image_len`).
-    unsafe { dx.set_len(g.batch * image_len) };
+    let dx = with_dx.then(|| {
+        // SAFETY: every image's block of `dx` was written above (`batch` blocks of
+        // `image_len`).
+        unsafe { dx.set_len(g.batch * image_len) };
+        dx
+    });
     let mut partials = partials.into_iter();
     let mut dw = partials.next().unwrap_or_else(|| vec![0.0; weight.len()]);
     for partial in partials {

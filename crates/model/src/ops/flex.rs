@@ -8,7 +8,8 @@ use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use super::cpu::{self, Conv};
 use super::{
-    BatchNormGrads, BatchNormOutput, ConvGrads, RmsPropState, RmsPropStep, SsdBackend, reference,
+    BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted, RmsPropState, RmsPropStep,
+    SsdBackend, reference,
 };
 
 /// A tensor whose values are one contiguous run of its buffer: the tensor itself when they
@@ -78,27 +79,30 @@ impl SsdBackend for Flex {
         grad: FloatTensor<Self>,
         stride: usize,
         depthwise: bool,
-        with_bias: bool,
+        wanted: ConvGradsWanted,
     ) -> ConvGrads<Self> {
         if !all_f32(&[&x, &weight, &grad]) {
             return reference::conv_same_backward::<Self>(
-                x, weight, grad, stride, depthwise, with_bias,
+                x, weight, grad, stride, depthwise, wanted,
             );
         }
         let g = geometry(&x, &weight, stride);
         let (x_shape, w_shape) = (x.shape(), weight.shape());
         let (x, weight, grad) = (contiguous(&x), contiguous(&weight), contiguous(&grad));
         let (dx, dw) = if depthwise {
-            cpu::depthwise_backward(&g, values(&x), values(&weight), values(&grad))
+            // one pass makes both (a depthwise layer's input is never an untracked image)
+            let (dx, dw) = cpu::depthwise_backward(&g, values(&x), values(&weight), values(&grad));
+            (wanted.x.then_some(dx), dw)
         } else {
-            cpu::conv_backward(&g, values(&x), values(&weight), values(&grad))
+            let (x, weight, grad) = (values(&x), values(&weight), values(&grad));
+            cpu::conv_backward(&g, x, weight, grad, wanted.x)
         };
-        let bias = with_bias.then(|| {
+        let bias = wanted.bias.then(|| {
             let db = cpu::bias_grad(values(&grad), g.out_height * g.out_width, g.out_channels);
             output(db, [g.out_channels])
         });
         ConvGrads {
-            x: output(dx, x_shape),
+            x: dx.map(|dx| output(dx, x_shape)),
             weight: output(dw, w_shape),
             bias,
         }

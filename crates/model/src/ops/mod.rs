@@ -21,12 +21,23 @@ use burn::tensor::{Tensor, TensorPrimitive};
 /// Gradients of [`SsdBackend::conv_same`].
 #[derive(Debug)]
 pub struct ConvGrads<B: Backend> {
-    /// Gradient of the input.
-    pub x: FloatTensor<B>,
+    /// Gradient of the input, when asked for (not for an input that needs none, such as
+    /// the images fed to the first layer).
+    pub x: Option<FloatTensor<B>>,
     /// Gradient of the filters.
     pub weight: FloatTensor<B>,
     /// Gradient of the bias (the output gradient summed per channel), when asked for.
     pub bias: Option<FloatTensor<B>>,
+}
+
+/// Which optional gradients [`SsdBackend::conv_same_backward`] computes (the filter
+/// gradient it always does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvGradsWanted {
+    /// The input's gradient.
+    pub x: bool,
+    /// The bias's gradient.
+    pub bias: bool,
 }
 
 /// Outputs of [`SsdBackend::batch_norm_relu6`].
@@ -89,17 +100,17 @@ pub trait SsdBackend: Backend {
         reference::conv_same::<Self>(x, weight, bias, stride, depthwise)
     }
 
-    /// Backward pass of [`SsdBackend::conv_same`] for the output gradient `grad`; the bias
-    /// gradient only `with_bias`.
+    /// Backward pass of [`SsdBackend::conv_same`] for the output gradient `grad`: the input
+    /// gradient only when `wanted.x`, the bias gradient only when `wanted.bias`.
     fn conv_same_backward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         stride: usize,
         depthwise: bool,
-        with_bias: bool,
+        wanted: ConvGradsWanted,
     ) -> ConvGrads<Self> {
-        reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise, with_bias)
+        reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise, wanted)
     }
 
     /// Training-mode BatchNorm (batch statistics) followed by ReLU6.

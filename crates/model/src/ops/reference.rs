@@ -8,7 +8,10 @@ use burn::tensor::ops::{ConvOptions, FloatTensor, PadMode};
 use burn::tensor::{Tensor, TensorMetadata};
 
 use super::cpu::same_padding;
-use super::{BatchNormGrads, BatchNormOutput, ConvGrads, RmsPropState, RmsPropStep, prim, tensor};
+use super::{
+    BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted, RmsPropState, RmsPropStep, prim,
+    tensor,
+};
 
 /// `x` padded as TF "SAME" pads it for this kernel and stride, with the convolution options
 /// that then need no padding.
@@ -57,26 +60,31 @@ pub fn conv_same_backward<B: Backend>(
     grad: FloatTensor<B>,
     stride: usize,
     depthwise: bool,
-    with_bias: bool,
+    wanted: ConvGradsWanted,
 ) -> ConvGrads<B> {
     let [batch, in_channels, h, w] = x.shape().dims();
     let kernel = weight.shape().dims::<4>()[2];
     let groups = groups(&x, depthwise);
     let (padded, options, [top, left]) = pad_same::<B>(x, kernel, stride, groups);
     let padded = prim(padded);
-    let dx = B::conv2d_x_backward(
-        padded.clone(),
-        weight.clone(),
-        grad.clone(),
-        options.clone(),
-    );
+    let dx = wanted.x.then(|| {
+        let dx = B::conv2d_x_backward(
+            padded.clone(),
+            weight.clone(),
+            grad.clone(),
+            options.clone(),
+        );
+        prim(tensor::<B, 4>(dx).slice([0..batch, 0..in_channels, top..top + h, left..left + w]))
+    });
     let dweight = B::conv2d_weight_backward(padded, weight, grad.clone(), options);
     let grad = tensor::<B, 4>(grad);
     let channels = grad.dims()[1];
     ConvGrads {
-        x: prim(tensor::<B, 4>(dx).slice([0..batch, 0..in_channels, top..top + h, left..left + w])),
+        x: dx,
         weight: dweight,
-        bias: with_bias.then(|| prim(grad.sum_dims(&[0, 2, 3]).reshape([channels]))),
+        bias: wanted
+            .bias
+            .then(|| prim(grad.sum_dims(&[0, 2, 3]).reshape([channels]))),
     }
 }
 

@@ -5,7 +5,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Distribution, Tensor};
 
 use super::{
-    affine_relu6, batch_norm_relu6, conv_same, half_squared_norm, prim, reference, tensor,
+    ConvGradsWanted, SsdBackend, affine_relu6, batch_norm_relu6, conv_same, half_squared_norm,
+    prim, reference, tensor,
 };
 
 type A = Autodiff<Flex>;
@@ -105,9 +106,26 @@ fn conv_matches_reference_values_and_gradients() {
             }
             out
         };
-        for (i, (got, want)) in grads(true).into_iter().zip(grads(false)).enumerate() {
-            assert_close(&format!("{what} grad {i}"), got, want, 1e-4);
+        let custom = grads(true);
+        for (i, (got, want)) in custom.iter().zip(grads(false)).enumerate() {
+            assert_close(&format!("{what} grad {i}"), got.clone(), want, 1e-4);
         }
+
+        // an untracked input (as the images are): no input gradient, the same filter
+        // gradient
+        let xa = Tensor::<A, 4>::from_inner(x.clone());
+        let wa = Tensor::<A, 4>::from_inner(w.clone()).require_grad();
+        let ba = bias.map(|b| Tensor::<A, 1>::from_inner(b).require_grad());
+        let y = conv_same(xa.clone(), wa.clone(), ba, stride, depthwise);
+        let g = (y * Tensor::from_inner(upstream)).sum().backward();
+        assert!(xa.grad(&g).is_none(), "{what}: untracked input");
+        let dw = values(wa.grad(&g).expect("w grad"));
+        assert_close(
+            &format!("{what} untracked input, dw"),
+            dw,
+            custom[1].clone(),
+            1e-6,
+        );
     }
 }
 
@@ -214,26 +232,33 @@ fn reference_conv_backward_matches_autodiff() {
         let w = random(w_shape, 60 + n as u64);
         let y = conv_same(x.clone(), w.clone(), None, stride, depthwise);
         let upstream = random(y.dims(), 70 + n as u64);
-        let fast = <Flex as super::SsdBackend>::conv_same_backward(
-            prim(x.clone()),
-            prim(w.clone()),
-            prim(upstream.clone()),
-            stride,
-            depthwise,
-            with_bias,
-        );
-        let slow = reference::conv_same_backward::<Flex>(
-            prim(x),
-            prim(w),
-            prim(upstream),
-            stride,
-            depthwise,
-            with_bias,
-        );
+        let backward = |custom: bool, x_wanted: bool| {
+            let wanted = ConvGradsWanted {
+                x: x_wanted,
+                bias: with_bias,
+            };
+            let (x, w, upstream) = (prim(x.clone()), prim(w.clone()), prim(upstream.clone()));
+            if custom {
+                <Flex as SsdBackend>::conv_same_backward(x, w, upstream, stride, depthwise, wanted)
+            } else {
+                reference::conv_same_backward::<Flex>(x, w, upstream, stride, depthwise, wanted)
+            }
+        };
+        // without the input gradient: none, and the same filter gradient
+        for custom in [true, false] {
+            let without = backward(custom, false);
+            assert!(without.x.is_none(), "dx computed though not wanted");
+            assert_eq!(
+                values(tensor::<Flex, 4>(without.weight)),
+                values(tensor::<Flex, 4>(backward(custom, true).weight)),
+                "dw with and without dx"
+            );
+        }
+        let (fast, slow) = (backward(true, true), backward(false, true));
         assert_close(
             "dx",
-            values(tensor::<Flex, 4>(fast.x)),
-            values(tensor::<Flex, 4>(slow.x)),
+            values(tensor::<Flex, 4>(fast.x.expect("dx"))),
+            values(tensor::<Flex, 4>(slow.x.expect("dx"))),
             1e-4,
         );
         assert_close(
