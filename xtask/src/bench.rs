@@ -34,6 +34,10 @@ pub enum Case {
         batch: usize,
         /// Limit the CPU thread pool (1 = one core); 0 = every core.
         threads: usize,
+        /// Every step trains on one batch kept in memory, with no data pipeline running
+        /// beside it: the training step alone, as the PyTorch peer measures it.
+        #[serde(default)]
+        in_memory: bool,
     },
     /// Forward pass of the pets model on the CPU, optionally with post-processing.
     Infer { batch: usize, postprocess: bool },
@@ -49,13 +53,15 @@ impl Case {
                 devices,
                 batch,
                 threads,
+                in_memory,
             } => {
                 let cores = if *threads == 0 {
                     String::new()
                 } else {
                     format!(", {threads} thread(s)")
                 };
-                format!("train --devices {devices}, batch {batch}{cores}")
+                let data = if *in_memory { ", batch in memory" } else { "" };
+                format!("train --devices {devices}, batch {batch}{cores}{data}")
             }
             Case::Infer { batch, postprocess } => format!(
                 "inference batch {batch}{}",
@@ -113,7 +119,12 @@ fn peak_mib() -> f64 {
 /// Runs one case in this process and prints its [`Measured`] as JSON.
 pub fn run_case(case: &Case, scratch: &Path, repeats: usize) -> Result<()> {
     let measured = match case {
-        Case::Train { devices, batch, .. } => train_case(devices, *batch, scratch, repeats)?,
+        Case::Train {
+            devices,
+            batch,
+            in_memory,
+            ..
+        } => train_case(devices, *batch, *in_memory, scratch, repeats)?,
         Case::Infer { batch, postprocess } => infer_case(*batch, *postprocess, repeats)?,
         Case::Data { workers } => data_case(*workers, scratch, repeats)?,
     };
@@ -135,7 +146,13 @@ fn bench_records(scratch: &Path) -> Result<Vec<PathBuf>> {
 
 const WARM_UP_STEPS: usize = 2;
 
-fn train_case(devices: &str, batch: usize, scratch: &Path, repeats: usize) -> Result<Measured> {
+fn train_case(
+    devices: &str,
+    batch: usize,
+    in_memory: bool,
+    scratch: &Path,
+    repeats: usize,
+) -> Result<Measured> {
     let records = bench_records(scratch)?;
     let mut config = TrainConfig::load(&workspace().join("configs/ssd_mobilenet_v1_pets.json"))?;
     config.train.batch_size = batch;
@@ -152,6 +169,7 @@ fn train_case(devices: &str, batch: usize, scratch: &Path, repeats: usize) -> Re
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
         cluster: None,
+        repeat_first_batch: in_memory,
     };
     let summary = match devices {
         "cpu" => train::<Flex>(&config, &[Default::default()], &options)?,
@@ -285,28 +303,19 @@ fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured>
 /// The cases `cargo xtask bench` runs: the CPU always, each CUDA device listed.
 pub fn cases(cuda_devices: &[usize], cores: usize) -> Vec<Case> {
     let mut cases = Vec::new();
+    let train = |devices: String, batch, threads, in_memory| Case::Train {
+        devices,
+        batch,
+        threads,
+        in_memory,
+    };
     for batch in [8, 24] {
-        cases.push(Case::Train {
-            devices: "cpu".into(),
-            batch,
-            threads: 0,
-        });
-        cases.push(Case::Train {
-            devices: "cpu".into(),
-            batch,
-            threads: 1,
-        });
-        cases.push(Case::Train {
-            devices: "cpu:2".into(),
-            batch,
-            threads: 0,
-        });
+        cases.push(train("cpu".into(), batch, 0, false));
+        cases.push(train("cpu".into(), batch, 0, true));
+        cases.push(train("cpu".into(), batch, 1, false));
+        cases.push(train("cpu:2".into(), batch, 0, false));
         for d in cuda_devices {
-            cases.push(Case::Train {
-                devices: d.to_string(),
-                batch,
-                threads: 0,
-            });
+            cases.push(train(d.to_string(), batch, 0, false));
         }
     }
     cases.push(Case::Infer {

@@ -64,6 +64,10 @@ pub struct RunOptions {
     pub verbose: bool,
     /// This process's place in a multi-node run; `None` trains on this machine alone.
     pub cluster: Option<Cluster>,
+    /// For benchmarks: every step trains on the first batch again, and the data loader stops
+    /// once it has made that batch, so the steps run without the data pipeline beside them
+    /// (checkpoints then record the position after the first batch).
+    pub repeat_first_batch: bool,
 }
 
 /// The loss parts of a step, averaged over replicas.
@@ -558,7 +562,8 @@ pub fn train<B: SsdBackend>(
         prefetch: config.data.prefetch,
         share: (rank, nodes),
     };
-    let mut loader = Loader::new(index.clone(), loader_config, start.position)?;
+    let mut loader = Some(Loader::new(index.clone(), loader_config, start.position)?);
+    let mut first_batch: Option<Batch> = None;
     // every replica of every node joins the exchange and checks it starts where the others do
     broadcast(&mut |_| Command::Join { step: start.step })?;
     let metrics_path = options.model_dir.join("metrics.jsonl");
@@ -729,7 +734,16 @@ pub fn train<B: SsdBackend>(
     let mut stopping = false;
     while step < num_steps && !stopping {
         let step_start = Instant::now();
-        let batch = loader.next().context("the data loader stopped")??;
+        let batch = match (&first_batch, loader.as_mut()) {
+            (Some(batch), _) => batch.clone(),
+            (None, Some(loader)) => loader.next().context("the data loader stopped")??,
+            (None, None) => unreachable!("the loader stops only once the first batch is kept"),
+        };
+        if options.repeat_first_batch && first_batch.is_none() {
+            first_batch = Some(batch.clone());
+            // joins its workers
+            loader = None;
+        }
         data_wait_seconds += step_start.elapsed().as_secs_f64();
         position = batch.next_position;
         lr = config.train.optimizer.learning_rate().at(step);

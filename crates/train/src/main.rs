@@ -516,6 +516,7 @@ fn run_training(args: TrainArgs) -> Result<()> {
         stop,
         verbose: true,
         cluster,
+        repeat_first_batch: false,
     };
     let summary = match devices {
         Devices::Cpu(n) => train::<Flex>(&config, &vec![Default::default(); n], &options)?,

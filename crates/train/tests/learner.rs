@@ -84,6 +84,7 @@ fn run(config: &TrainConfig, model_dir: &Path, replicas: usize) -> anyhow::Resul
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
         cluster: None,
+        repeat_first_batch: false,
     };
     train::<B>(config, &vec![Default::default(); replicas], &options)
 }
@@ -517,4 +518,27 @@ fn two_nodes_equal_one_node_with_all_replicas_and_a_lost_node_ends_the_run() {
     .unwrap();
     let (ok, log) = finish(lone);
     assert!(!ok && log.contains("cannot reach rank 0"), "{log}");
+}
+
+#[test]
+fn repeating_the_first_batch_reads_one_batch() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let runs = tempfile::tempdir().unwrap();
+    let options = RunOptions {
+        model_dir: runs.path().to_path_buf(),
+        stop: Arc::new(AtomicBool::new(false)),
+        verbose: false,
+        cluster: None,
+        repeat_first_batch: true,
+    };
+    let s = train::<B>(&config(data.path(), 4), &[Default::default()], &options).unwrap();
+    assert_eq!((s.step, s.steps_this_run), (4, 4));
+    assert!(s.last_loss.total.is_finite());
+    // four steps of batch 4, and the data read stopped after the first batch
+    for step in [2, 4] {
+        let dir = runs.path().join(format!("ckpt-{step:08}"));
+        let state = train::checkpoint::read_state(&dir).unwrap();
+        assert_eq!((state.step, state.position.index), (step, 4));
+    }
 }
