@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::{HardExampleMinerConfig, LossConfig, MinerLossType, SsdConfig};
-use crate::ops::SsdBackend;
+use crate::ops::{SsdBackend, sigmoid_cross_entropy};
 use crate::postprocess::non_max_suppression;
 use crate::ssd::{Predictions, Ssd};
 use crate::targets::{ImageTargets, Match};
@@ -71,12 +71,6 @@ pub fn mine_hard_examples(
         .collect()
 }
 
-/// Per-entry `sigmoid_cross_entropy_with_logits`: `max(x, 0) - x z + log(1 + exp(-|x|))`.
-fn sigmoid_cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 3>) -> Tensor<B, 3> {
-    let softplus_neg_abs = logits.clone().abs().neg().exp().log1p();
-    logits.clone().clamp_min(0.0) - logits * labels + softplus_neg_abs
-}
-
 /// Huber loss with the given delta, per entry.
 fn huber<B: Backend>(diff: Tensor<B, 3>, delta: f32) -> Tensor<B, 3> {
     let abs = diff.abs();
@@ -114,7 +108,7 @@ fn flatten_targets(targets: &[ImageTargets], num_classes: usize) -> BatchTargets
 
 /// Classification and localization loss of a batch of predictions against its targets.
 /// Returns `(classification, localization, num_matches, num_mined_negatives)`.
-pub fn detection_loss<B: Backend>(
+pub fn detection_loss<B: SsdBackend>(
     config: &LossConfig,
     coder: &BoxCoder,
     anchors: &[BBox],
@@ -151,10 +145,7 @@ pub fn detection_loss<B: Backend>(
     );
 
     let cls_per_anchor: Tensor<B, 2> =
-        sigmoid_cross_entropy(predictions.class_logits.clone(), labels)
-            .sum_dim(2)
-            .reshape([batch, num_anchors])
-            * class_weights;
+        sigmoid_cross_entropy(predictions.class_logits.clone(), labels) * class_weights;
     let loc_per_anchor: Tensor<B, 2> = huber(
         predictions.box_encodings.clone() - box_codes,
         config.smooth_l1_delta,

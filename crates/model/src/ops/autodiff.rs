@@ -75,6 +75,25 @@ impl<B: SsdBackend> Backward<B, 3> for BatchNormRelu6 {
     }
 }
 
+/// Sigmoid cross-entropy summed over classes; the labels (the state's second tensor) are
+/// constants.
+#[derive(Debug)]
+struct SigmoidCrossEntropy;
+
+impl<B: SsdBackend> Backward<B, 1> for SigmoidCrossEntropy {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(node) = parent {
+            let (logits, labels) = ops.state;
+            let value = B::sigmoid_cross_entropy_backward(logits, labels, grad);
+            grads.register::<B>(node.id, value);
+        }
+    }
+}
+
 /// `sum(x^2) / 2`, whose gradient is `x` times the output gradient.
 #[derive(Debug)]
 struct HalfSquaredNorm;
@@ -104,6 +123,21 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => prep.finish(x.primitive, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn sigmoid_cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let out = B::sigmoid_cross_entropy(logits.primitive.clone(), labels.primitive.clone());
+        match SigmoidCrossEntropy
+            .prepare::<C>([logits.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((logits.primitive, labels.primitive), out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }

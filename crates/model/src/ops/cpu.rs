@@ -734,6 +734,67 @@ fn sum_and_squares(x: &[f32], shift: f32) -> (f32, f32) {
 /// Values per task of the parallel element-wise loops below.
 const ELEMENTWISE_CHUNK: usize = 1 << 14;
 
+/// Rows (anchors) per task of the sigmoid cross-entropy loops.
+const ROWS_PER_TASK: usize = 512;
+
+/// `sigmoid_cross_entropy_with_logits` of `[rows, classes]` logits and labels, summed over
+/// each row's classes: `max(x, 0) - x z + log(1 + exp(-|x|))`.
+pub fn sigmoid_cross_entropy(logits: &[f32], labels: &[f32], classes: usize) -> Vec<f32> {
+    assert_eq!(logits.len(), labels.len());
+    let classes = classes.max(1);
+    let mut out = vec![0.0f32; logits.len() / classes];
+    out.par_chunks_mut(ROWS_PER_TASK)
+        .zip(logits.par_chunks(ROWS_PER_TASK * classes))
+        .zip(labels.par_chunks(ROWS_PER_TASK * classes))
+        .for_each(|((out, x), z)| {
+            for ((o, x), z) in out.iter_mut().zip(x.chunks(classes)).zip(z.chunks(classes)) {
+                *o = x
+                    .iter()
+                    .zip(z)
+                    .map(|(&x, &z)| x.max(0.0) - x * z + (-x.abs()).exp().ln_1p())
+                    .sum();
+            }
+        });
+    out
+}
+
+/// `sigmoid(x)` without overflow for large `|x|`.
+fn sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+/// Gradient of [`sigmoid_cross_entropy`] for the per-row output gradient `grad`:
+/// `(sigmoid(x) - z) * grad[row]`.
+pub fn sigmoid_cross_entropy_backward(
+    logits: &[f32],
+    labels: &[f32],
+    grad: &[f32],
+    classes: usize,
+) -> Vec<f32> {
+    assert_eq!(logits.len(), labels.len());
+    let classes = classes.max(1);
+    assert_eq!(grad.len() * classes, logits.len());
+    let mut out = vec![0.0f32; logits.len()];
+    out.par_chunks_mut(ROWS_PER_TASK * classes)
+        .zip(logits.par_chunks(ROWS_PER_TASK * classes))
+        .zip(labels.par_chunks(ROWS_PER_TASK * classes))
+        .zip(grad.par_chunks(ROWS_PER_TASK))
+        .for_each(|(((out, x), z), g)| {
+            let rows = out.chunks_mut(classes).zip(x.chunks(classes));
+            for ((o, x), (z, &g)) in rows.zip(z.chunks(classes).zip(g)) {
+                for ((o, &x), &z) in o.iter_mut().zip(x).zip(z) {
+                    *o = (sigmoid(x) - z) * g;
+                }
+            }
+        });
+    out
+}
+
 /// [`RmsPropStep`] over slices: `(w, ms, mom)` after the update, in one parallel pass.
 pub fn rmsprop_update([w, ms, mom]: [&[f32]; 3], grad: &[f32], step: RmsPropStep) -> [Vec<f32>; 3] {
     let n = grad.len();

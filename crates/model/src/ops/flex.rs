@@ -167,6 +167,39 @@ impl SsdBackend for Flex {
         }
     }
 
+    fn sigmoid_cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if !all_f32(&[&logits, &labels]) {
+            return reference::sigmoid_cross_entropy::<Self>(logits, labels);
+        }
+        let [batch, anchors, classes] = logits.shape().dims();
+        let (logits, labels) = (contiguous(&logits), contiguous(&labels));
+        let loss = cpu::sigmoid_cross_entropy(values(&logits), values(&labels), classes);
+        output(loss, [batch, anchors])
+    }
+
+    fn sigmoid_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        labels: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if !all_f32(&[&logits, &labels, &grad]) {
+            return reference::sigmoid_cross_entropy_backward::<Self>(logits, labels, grad);
+        }
+        let shape = logits.shape();
+        let classes = shape.dims::<3>()[2];
+        let [logits, labels, grad] = [&logits, &labels, &grad].map(contiguous);
+        let d = cpu::sigmoid_cross_entropy_backward(
+            values(&logits),
+            values(&labels),
+            values(&grad),
+            classes,
+        );
+        output(d, shape)
+    }
+
     fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
         if x.dtype() != DType::F32 {
             return reference::half_squared_norm::<Self>(x);

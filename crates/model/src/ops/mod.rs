@@ -150,6 +150,26 @@ pub trait SsdBackend: Backend {
         reference::affine_relu6::<Self>(x, scale, shift)
     }
 
+    /// TF's `sigmoid_cross_entropy_with_logits`, `max(x, 0) - x z + log(1 + exp(-|x|))`, of
+    /// `logits [batch, anchors, classes]` against `labels` of the same shape, summed over the
+    /// classes: `[batch, anchors]`. The labels are constants: no gradient flows to them.
+    fn sigmoid_cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::sigmoid_cross_entropy::<Self>(logits, labels)
+    }
+
+    /// Backward pass of [`SsdBackend::sigmoid_cross_entropy`] for the output gradient
+    /// `grad [batch, anchors]`: `(sigmoid(x) - z) * grad`.
+    fn sigmoid_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        labels: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::sigmoid_cross_entropy_backward::<Self>(logits, labels, grad)
+    }
+
     /// `sum(x^2) / 2` as a one-element tensor (TF's `tf.nn.l2_loss`, the L2 regulariser of
     /// one kernel).
     fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -232,6 +252,14 @@ pub fn batch_norm_relu6<B: SsdBackend>(
 ) -> (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) {
     let out = B::batch_norm_relu6(prim(x), prim(gamma), prim(beta), epsilon);
     (tensor(out.y), tensor(out.mean), tensor(out.variance))
+}
+
+/// [`SsdBackend::sigmoid_cross_entropy`] on tensors.
+pub fn sigmoid_cross_entropy<B: SsdBackend>(
+    logits: Tensor<B, 3>,
+    labels: Tensor<B, 3>,
+) -> Tensor<B, 2> {
+    tensor(B::sigmoid_cross_entropy(prim(logits), prim(labels)))
 }
 
 /// [`SsdBackend::affine_relu6`] on tensors.

@@ -168,6 +168,27 @@ fn flat<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 1> {
     tensor(B::float_reshape(x, [n].into()))
 }
 
+pub fn sigmoid_cross_entropy<B: Backend>(
+    logits: FloatTensor<B>,
+    labels: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let (x, z) = (tensor::<B, 3>(logits), tensor::<B, 3>(labels));
+    let [batch, anchors, _] = x.dims();
+    let softplus_neg_abs = x.clone().abs().neg().exp().log1p();
+    let per_class = x.clone().clamp_min(0.0) - x * z + softplus_neg_abs;
+    prim(per_class.sum_dim(2).reshape([batch, anchors]))
+}
+
+pub fn sigmoid_cross_entropy_backward<B: Backend>(
+    logits: FloatTensor<B>,
+    labels: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let (x, z) = (tensor::<B, 3>(logits), tensor::<B, 3>(labels));
+    let grad = tensor::<B, 2>(grad).unsqueeze_dim::<3>(2);
+    prim((burn::tensor::activation::sigmoid(x) - z) * grad)
+}
+
 pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(flat::<B>(x).square().sum().mul_scalar(0.5))
 }

@@ -6,7 +6,7 @@ use burn::tensor::{Distribution, Tensor};
 
 use super::{
     ConvGradsWanted, SsdBackend, affine_relu6, batch_norm_relu6, conv_same, half_squared_norm,
-    prim, reference, tensor,
+    prim, reference, sigmoid_cross_entropy, tensor,
 };
 
 type A = Autodiff<Flex>;
@@ -383,4 +383,44 @@ fn rmsprop_and_moving_average_match_the_reference() {
         0.99,
     ));
     assert_close("moving average", values(got), values(want), 1e-6);
+}
+
+#[test]
+fn sigmoid_cross_entropy_matches_reference_value_and_gradient() {
+    // a worked case: x = 0, z = 1 gives log 2; x = 2, z = 0 gives 2 + log(1 + e^-2); the
+    // gradients are sigmoid(x) - z: -0.5 and 0.880797
+    let x = Tensor::<A, 3>::from_floats([[[0.0, 2.0]]], &Default::default()).require_grad();
+    let z = Tensor::<A, 3>::from_floats([[[1.0, 0.0]]], &Default::default());
+    let loss = sigmoid_cross_entropy(x.clone(), z);
+    assert_close("worked loss", values(loss.clone()), vec![2.820_075], 1e-6);
+    let g = loss.sum().backward();
+    assert_close(
+        "worked gradient",
+        values(x.grad(&g).expect("logits grad")),
+        vec![-0.5, 0.880_797],
+        1e-6,
+    );
+
+    // logits out to +-40 (both tails), labels in [0, 1]; more rows than one parallel task
+    let logits = random([3, 700, 5], 90).mul_scalar(40.0);
+    let labels = random([3, 700, 5], 91).add_scalar(1.0).mul_scalar(0.5);
+    let fast = sigmoid_cross_entropy(logits.clone(), labels.clone());
+    let slow = reference::sigmoid_cross_entropy::<Flex>(prim(logits.clone()), prim(labels.clone()));
+    assert_close("loss", values(fast), values(tensor::<Flex, 2>(slow)), 1e-5);
+    let upstream = random([3, 700], 92);
+    let grads = |custom: bool| {
+        let xa = Tensor::<A, 3>::from_inner(logits.clone()).require_grad();
+        let za = Tensor::<A, 3>::from_inner(labels.clone());
+        let y = if custom {
+            sigmoid_cross_entropy(xa.clone(), za)
+        } else {
+            tensor::<A, 2>(reference::sigmoid_cross_entropy::<A>(
+                prim(xa.clone()),
+                prim(za),
+            ))
+        };
+        let g = (y * Tensor::from_inner(upstream.clone())).sum().backward();
+        values(xa.grad(&g).expect("logits grad"))
+    };
+    assert_close("gradient", grads(true), grads(false), 1e-5);
 }
