@@ -707,10 +707,28 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
     (dx, dw)
 }
 
-/// `sum(x^2) / 2`, summed in lanes per 4096 values and in `f64` across them.
+/// `sum(x^2) / 2`, summed in lanes per 4096 values and in `f64` across them, in order (the
+/// parallel chunks' partial sums are added one after the other, so the result does not
+/// depend on the thread count).
 pub fn half_squared_norm(x: &[f32]) -> f32 {
-    let sum: f64 = x.chunks(4096).map(|c| dot(c, c) as f64).sum();
-    (sum / 2.0) as f32
+    let partials: Vec<f64> = x.par_chunks(4096).map(|c| dot(c, c) as f64).collect();
+    (partials.iter().sum::<f64>() / 2.0) as f32
+}
+
+/// `x * s`, in parallel.
+pub fn scaled(x: &[f32], s: f32) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(x.len());
+    out.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(x.par_chunks(ELEMENTWISE_CHUNK))
+        .for_each(|(out, x)| {
+            for (o, &v) in out.iter_mut().zip(x) {
+                o.write(v * s);
+            }
+        });
+    // SAFETY: the chunks cover all `x.len()` values and each was written above.
+    unsafe { out.set_len(x.len()) };
+    out
 }
 
 /// `(sum(x), sum((x - shift)^2))` of a slice with lane accumulators.

@@ -251,7 +251,7 @@ impl SsdBackend for Flex {
         let s = values(&contiguous(&s))[0];
         let shape = x.shape();
         let x = contiguous(&x);
-        output(values(&x).iter().map(|v| v * s).collect(), shape)
+        output(cpu::scaled(values(&x), s), shape)
     }
 
     fn affine_relu6(

@@ -282,10 +282,12 @@ fn reference_conv_backward_matches_autodiff() {
 
 #[test]
 fn half_squared_norm_matches_reference_value_and_gradient() {
-    // a contiguous kernel and a transposed view of one
+    // a contiguous kernel, a transposed view of one, and one of more values than a parallel
+    // chunk
     let kernels = [
         random([6, 5, 3, 3], 80),
         random([5, 6, 3, 3], 81).swap_dims(0, 1),
+        random([64, 32, 3, 3], 82),
     ];
     for (n, w) in kernels.into_iter().enumerate() {
         let what = format!("kernel {n}");
