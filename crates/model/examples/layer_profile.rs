@@ -35,6 +35,15 @@ enum Kind {
     Head,
 }
 
+impl Kind {
+    fn kernel(self) -> usize {
+        match self {
+            Kind::Dense3x3 | Kind::Depthwise => 3,
+            Kind::Pointwise | Kind::Head => 1,
+        }
+    }
+}
+
 /// Every convolution of the default network (square 300x300 input, depth multiplier 1).
 fn network() -> Vec<Layer> {
     let config = SsdConfig::default();
@@ -76,14 +85,7 @@ fn main() {
     for (i, (cin, cout, size, stride, kind)) in network().into_iter().enumerate() {
         // the first layer's input is the images: no input gradient
         let with_dx = i > 0;
-        let (depthwise, k) = (
-            kind == Kind::Depthwise,
-            if kind == Kind::Pointwise || kind == Kind::Head {
-                1
-            } else {
-                3
-            },
-        );
+        let (depthwise, k) = (kind == Kind::Depthwise, kind.kernel());
         let g = Conv::same([batch, cin, size, size], cout, k, stride);
         let x: Vec<f32> = (0..batch * cin * size * size)
             .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
@@ -124,7 +126,7 @@ fn main() {
             );
             continue;
         }
-        let dims = [batch, g.out_height * g.out_width];
+        let dims = [batch, plane];
         let (gamma, beta) = (vec![1.0f32; cout], vec![0.1f32; cout]);
         let (_, mean, var) = cpu::batch_norm_relu6(&y, dims, &gamma, &beta, 0.001);
         let bn_fwd = mean_ms(|| drop(cpu::batch_norm_relu6(&y, dims, &gamma, &beta, 0.001)));

@@ -327,6 +327,34 @@ impl<B: SsdBackend> Replica<B> {
     }
 }
 
+/// Where the steps' batches come from.
+enum Batches {
+    /// The data loader; with `repeat_first`, it makes only the first batch.
+    Loader { loader: Loader, repeat_first: bool },
+    /// The first batch again ([`RunOptions::repeat_first_batch`]); the loader has stopped.
+    Repeat(Batch),
+}
+
+impl Batches {
+    fn next(&mut self) -> Result<Batch> {
+        match self {
+            Batches::Repeat(batch) => Ok(batch.clone()),
+            Batches::Loader {
+                loader,
+                repeat_first,
+            } => {
+                let repeat = *repeat_first;
+                let batch = loader.next().context("the data loader stopped")??;
+                if repeat {
+                    // drops the loader, which joins its workers
+                    *self = Batches::Repeat(batch.clone());
+                }
+                Ok(batch)
+            }
+        }
+    }
+}
+
 /// Starting weights, optimizer state, EMA and position.
 struct Start<B: Backend> {
     model: Ssd<Train<B>>,
@@ -562,8 +590,10 @@ pub fn train<B: SsdBackend>(
         prefetch: config.data.prefetch,
         share: (rank, nodes),
     };
-    let mut loader = Some(Loader::new(index.clone(), loader_config, start.position)?);
-    let mut first_batch: Option<Batch> = None;
+    let mut batches = Batches::Loader {
+        loader: Loader::new(index.clone(), loader_config, start.position)?,
+        repeat_first: options.repeat_first_batch,
+    };
     // every replica of every node joins the exchange and checks it starts where the others do
     broadcast(&mut |_| Command::Join { step: start.step })?;
     let metrics_path = options.model_dir.join("metrics.jsonl");
@@ -734,16 +764,7 @@ pub fn train<B: SsdBackend>(
     let mut stopping = false;
     while step < num_steps && !stopping {
         let step_start = Instant::now();
-        let batch = match (&first_batch, loader.as_mut()) {
-            (Some(batch), _) => batch.clone(),
-            (None, Some(loader)) => loader.next().context("the data loader stopped")??,
-            (None, None) => unreachable!("the loader stops only once the first batch is kept"),
-        };
-        if options.repeat_first_batch && first_batch.is_none() {
-            first_batch = Some(batch.clone());
-            // joins its workers
-            loader = None;
-        }
+        let batch = batches.next()?;
         data_wait_seconds += step_start.elapsed().as_secs_f64();
         position = batch.next_position;
         lr = config.train.optimizer.learning_rate().at(step);

@@ -717,18 +717,9 @@ pub fn half_squared_norm(x: &[f32]) -> f32 {
 
 /// `x * s`, in parallel.
 pub fn scaled(x: &[f32], s: f32) -> Vec<f32> {
-    let mut out: Vec<f32> = Vec::with_capacity(x.len());
-    out.spare_capacity_mut()[..x.len()]
-        .par_chunks_mut(ELEMENTWISE_CHUNK)
-        .zip(x.par_chunks(ELEMENTWISE_CHUNK))
-        .for_each(|(out, x)| {
-            for (o, &v) in out.iter_mut().zip(x) {
-                o.write(v * s);
-            }
-        });
-    // SAFETY: the chunks cover all `x.len()` values and each was written above.
-    unsafe { out.set_len(x.len()) };
-    out
+    parallel_values(x.len(), ELEMENTWISE_CHUNK, |r| {
+        x[r].iter().map(move |v| v * s)
+    })
 }
 
 /// `(sum(x), sum((x - shift)^2))` of a slice with lane accumulators.
@@ -755,25 +746,47 @@ const ELEMENTWISE_CHUNK: usize = 1 << 14;
 /// Rows (anchors) per task of the sigmoid cross-entropy loops.
 const ROWS_PER_TASK: usize = 512;
 
+/// `n` values computed in parallel, `chunk` at a time, into a new vector without zeroing it
+/// first: `values(range)` yields the values at `range`.
+fn parallel_values<I: ExactSizeIterator<Item = f32>>(
+    n: usize,
+    chunk: usize,
+    values: impl Fn(std::ops::Range<usize>) -> I + Sync,
+) -> Vec<f32> {
+    let chunk = chunk.max(1);
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(chunk)
+        .enumerate()
+        .for_each(|(i, out)| {
+            let start = i * chunk;
+            let values = values(start..start + out.len());
+            assert_eq!(values.len(), out.len(), "one value for each place");
+            for (o, v) in out.iter_mut().zip(values) {
+                o.write(v);
+            }
+        });
+    // SAFETY: the chunks cover all `n` places, and each chunk's were written above (the
+    // assertion guarantees as many values as places).
+    unsafe { out.set_len(n) };
+    out
+}
+
 /// `sigmoid_cross_entropy_with_logits` of `[rows, classes]` logits and labels, summed over
 /// each row's classes: `max(x, 0) - x z + log(1 + exp(-|x|))`.
 pub fn sigmoid_cross_entropy(logits: &[f32], labels: &[f32], classes: usize) -> Vec<f32> {
     assert_eq!(logits.len(), labels.len());
     let classes = classes.max(1);
-    let mut out = vec![0.0f32; logits.len() / classes];
-    out.par_chunks_mut(ROWS_PER_TASK)
-        .zip(logits.par_chunks(ROWS_PER_TASK * classes))
-        .zip(labels.par_chunks(ROWS_PER_TASK * classes))
-        .for_each(|((out, x), z)| {
-            for ((o, x), z) in out.iter_mut().zip(x.chunks(classes)).zip(z.chunks(classes)) {
-                *o = x
-                    .iter()
-                    .zip(z)
-                    .map(|(&x, &z)| x.max(0.0) - x * z + (-x.abs()).exp().ln_1p())
-                    .sum();
-            }
-        });
-    out
+    parallel_values(logits.len() / classes, ROWS_PER_TASK, |rows| {
+        let values = rows.start * classes..rows.end * classes;
+        let (x, z) = (&logits[values.clone()], &labels[values]);
+        x.chunks(classes).zip(z.chunks(classes)).map(|(x, z)| {
+            x.iter()
+                .zip(z)
+                .map(|(&x, &z)| x.max(0.0) - x * z + (-x.abs()).exp().ln_1p())
+                .sum()
+        })
+    })
 }
 
 /// `sigmoid(x)` without overflow for large `|x|`.
@@ -850,21 +863,13 @@ pub fn rmsprop_update([w, ms, mom]: [&[f32]; 3], grad: &[f32], step: RmsPropStep
 
 /// `average - (1 - keep) (average - value)`, in parallel.
 pub fn moving_average(average: &[f32], value: &[f32], keep: f32) -> Vec<f32> {
-    let n = average.len();
-    assert_eq!(value.len(), n);
-    let mut out: Vec<f32> = Vec::with_capacity(n);
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(ELEMENTWISE_CHUNK)
-        .zip(average.par_chunks(ELEMENTWISE_CHUNK))
-        .zip(value.par_chunks(ELEMENTWISE_CHUNK))
-        .for_each(|((out, a), v)| {
-            for ((o, &a), &v) in out.iter_mut().zip(a).zip(v) {
-                o.write(a - (a - v) * (1.0 - keep));
-            }
-        });
-    // SAFETY: the chunks cover all `n` values and each was written above.
-    unsafe { out.set_len(n) };
-    out
+    assert_eq!(value.len(), average.len());
+    parallel_values(average.len(), ELEMENTWISE_CHUNK, |r| {
+        let (a, v) = (&average[r.clone()], &value[r]);
+        a.iter()
+            .zip(v)
+            .map(move |(&a, &v)| a - (a - v) * (1.0 - keep))
+    })
 }
 
 /// Mean and biased variance of one channel's planes, in one pass: sums of `x` and
