@@ -307,6 +307,9 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
     y
 }
 
+/// The smallest output plane for which [`conv_backward`] copies the filters transposed.
+const MIN_COLUMNS_FOR_TRANSPOSE: usize = 64;
+
 /// Backward pass of [`conv_forward`] given the output gradient `dy`: `(dx, dweight)`, `dx`
 /// only `with_dx` (the bias gradient is [`bias_grad`]). The filter gradient is summed image
 /// by image within each group of [`Split`], then over the groups in order.
@@ -328,6 +331,12 @@ pub fn conv_backward(
         .chunks_mut((split.images_per_group * image_len).max(1))
         .map(Some)
         .chain(std::iter::repeat_with(|| None));
+    // `W^T (patch x out)` stored row-major, once for all groups: the GEMM runs up to twice
+    // as fast on it as on `W` read transposed (the 1024 -> 1024 layer on one thread: 14.4 ->
+    // 7.5 ms for four images). Below `MIN_COLUMNS_FOR_TRANSPOSE` columns per image the
+    // products are too small to repay the copy.
+    let weight_t = (with_dx && g.out_plane() >= MIN_COLUMNS_FOR_TRANSPOSE)
+        .then(|| transposed(weight, g.out_channels, g.patch()));
     let groups: Vec<_> = x
         .chunks(split.images_per_group * image_len)
         .zip(dy.chunks(split.images_per_group * out_len))
@@ -358,20 +367,15 @@ pub fn conv_backward(
                 let dimage = &mut dimages[b * image_len..][..image_len];
                 // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
                 let dcols_shape = [g.patch(), g.out_plane(), g.out_channels];
+                let (a, a_t) = match &weight_t {
+                    Some(wt) => (wt.as_slice(), false),
+                    None => (weight, true),
+                };
                 if g.is_pointwise() {
-                    gemm_into(
-                        dimage,
-                        weight,
-                        true,
-                        grad,
-                        false,
-                        dcols_shape,
-                        false,
-                        parallel,
-                    );
+                    gemm_into(dimage, a, a_t, grad, false, dcols_shape, false, parallel);
                 } else {
                     let (dst, shape) = (as_uninit(&mut dcols), dcols_shape);
-                    gemm_into(dst, weight, true, grad, false, shape, false, parallel);
+                    gemm_into(dst, a, a_t, grad, false, shape, false, parallel);
                     col2im(g, &dcols, dimage);
                 }
             }
@@ -390,6 +394,28 @@ pub fn conv_backward(
         axpy(&mut dw, 1.0, &partial);
     }
     (dx, dw)
+}
+
+/// The transpose of a row-major `rows x cols` matrix, in tiles that stay in the cache.
+fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const TILE: usize = 32;
+    assert_eq!(m.len(), rows * cols);
+    let mut t = vec![0.0; m.len()];
+    // each task fills `TILE` rows of the transpose (`TILE` columns of `m`)
+    t.par_chunks_mut(TILE * rows)
+        .enumerate()
+        .for_each(|(tile, out)| {
+            let c0 = tile * TILE;
+            for r0 in (0..rows).step_by(TILE) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    let dst = &mut out[(c - c0) * rows..][..rows];
+                    for r in r0..(r0 + TILE).min(rows) {
+                        dst[r] = m[r * cols + c];
+                    }
+                }
+            }
+        });
+    t
 }
 
 /// Lanes of the vectorised reductions below.

@@ -50,6 +50,9 @@ const CONVS: &[ConvCase] = &[
     ([1, 2, 45, 100], 2, 3, 1, true, false),
     ([1, 2, 61, 99], 2, 3, 2, true, false),
     ([1, 3, 6, 8], 3, 1, 2, true, false),
+    // output planes of 64 values or more, where the input gradient uses transposed filters
+    ([2, 5, 9, 8], 7, 1, 1, false, false),
+    ([2, 3, 17, 16], 4, 3, 2, false, true),
 ];
 
 #[test]
