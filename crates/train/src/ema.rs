@@ -93,6 +93,22 @@ impl<B: SsdBackend> Ema<B> {
     }
 }
 
+/// The ids of `model`'s trainable parameters (those that take gradients): the weights the
+/// EMA averages.
+pub fn trainable_ids<B: Backend, M: Module<B>>(model: &M) -> HashSet<ParamId> {
+    struct Trainable(HashSet<ParamId>);
+    impl<B: Backend> ModuleVisitor<B> for Trainable {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if param.val().is_require_grad() {
+                self.0.insert(param.id);
+            }
+        }
+    }
+    let mut ids = Trainable(HashSet::new());
+    model.visit(&mut ids);
+    ids.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

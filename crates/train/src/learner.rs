@@ -35,14 +35,14 @@ use serde_json::json;
 use crate::checkpoint::{self, CheckpointFiles, CheckpointState};
 use crate::cluster::{Cluster, WsExchange};
 use crate::config::TrainConfig;
-use crate::ema::Ema;
+use crate::ema::{Ema, trainable_ids};
 use crate::eval::run_on_dataset;
 use crate::events::EventWriter;
 use crate::metrics::{COCO_NAMES, Metrics, evaluate};
-use crate::optim::TfOptimizer;
+use crate::optim::{TfOptimizer, clip_by_global_norm};
 use crate::sync::{
-    BucketLayout, GradientSync, InProcessAllReduce, bn_stats_flat, flatten_gradients, global_norm,
-    set_bn_stats_flat, unflatten_gradients, weight_checksum,
+    GradientSync, InProcessAllReduce, bn_stats_flat, flatten_gradients, set_bn_stats_flat,
+    unflatten_gradients, weight_checksum,
 };
 
 type Train<B> = Autodiff<B>;
@@ -177,13 +177,9 @@ impl<B: SsdBackend> Replica<B> {
         step: u64,
         stop: bool,
     ) -> Result<Reply<B>, String> {
-        let (layout, buckets, tail_len) = self.gradients(batch, stop);
-        let start = Instant::now();
-        let buckets = self.sync.all_reduce_mean(self.index, buckets)?;
-        let sync_seconds = start.elapsed().as_secs_f64();
-        let last = buckets.last().ok_or("the exchange returned no buckets")?;
-        let mean = to_host(last.clone().narrow(0, last.dims()[0] - tail_len, tail_len))?;
-        self.apply(&layout, buckets, learning_rate, step);
+        let (grads, tail) = self.gradients(batch, stop);
+        let (grads, mean, sync_seconds) = self.average(grads, tail)?;
+        self.apply(grads, learning_rate, step);
         Ok(Reply::Stepped {
             loss: LossValues {
                 classification: mean[0],
@@ -196,9 +192,9 @@ impl<B: SsdBackend> Replica<B> {
         })
     }
 
-    /// This replica's gradients in buckets, the last one followed by a tail of `tail_len`
-    /// values: the loss parts and the stop request.
-    fn gradients(&mut self, batch: Batch, stop: bool) -> (BucketLayout, Vec<Tensor<B, 1>>, usize) {
+    /// This replica's gradients and a tail of values to average with them: the loss parts and
+    /// the stop request.
+    fn gradients(&mut self, batch: Batch, stop: bool) -> (GradientsParams, Tensor<B, 1>) {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
         let targets: Vec<_> = batch
@@ -209,9 +205,6 @@ impl<B: SsdBackend> Replica<B> {
         let images = batch.images_tensor::<Train<B>>(&self.device);
         let loss = compute_loss(&self.model, cfg, &self.anchors, images, &targets);
         let grads = GradientsParams::from_grads(loss.total.backward(), &self.model);
-        // the loss parts and the stop request ride at the end of the last bucket: their mean
-        // over all replicas comes back with the gradients, at no extra exchange or copy, so
-        // every machine logs the same loss and stops after the same step
         let stop = Tensor::<B, 1>::from_data(
             TensorData::new(vec![if stop { 1.0f32 } else { 0.0 }], [1]),
             &self.device,
@@ -226,30 +219,37 @@ impl<B: SsdBackend> Replica<B> {
             ],
             0,
         );
+        (grads, tail)
+    }
+
+    /// The mean over all replicas of the gradients and of the tail's values (on the host),
+    /// and the seconds the exchange took. The tail rides at the end of the last bucket: its
+    /// mean comes back with the gradients, at no extra exchange or copy, so every machine
+    /// logs the same loss and stops after the same step. A lone replica keeps its own.
+    fn average(
+        &self,
+        grads: GradientsParams,
+        tail: Tensor<B, 1>,
+    ) -> Result<(GradientsParams, Vec<f32>, f64), String> {
+        if self.sync.single_replica() {
+            return Ok((grads, to_host(tail)?, 0.0));
+        }
         let tail_len = tail.dims()[0];
         let (layout, buckets) = flatten_gradients(&self.model, grads, Some(tail));
-        if self.trainable.is_empty() {
-            self.trainable = crate::sync::trainable_ids(&layout).into_iter().collect();
-        }
-        (layout, buckets, tail_len)
+        let start = Instant::now();
+        let buckets = self.sync.all_reduce_mean(self.index, buckets)?;
+        let sync_seconds = start.elapsed().as_secs_f64();
+        let last = buckets.last().ok_or("the exchange returned no buckets")?;
+        let mean = to_host(last.clone().narrow(0, last.dims()[0] - tail_len, tail_len))?;
+        let grads = unflatten_gradients::<Train<B>>(&layout, buckets);
+        Ok((grads, mean, sync_seconds))
     }
 
     /// Clips the averaged gradients (when configured), then updates the weights and the EMA.
-    fn apply(
-        &mut self,
-        layout: &BucketLayout,
-        mut buckets: Vec<Tensor<B, 1>>,
-        learning_rate: f64,
-        step: u64,
-    ) {
+    fn apply(&mut self, mut grads: GradientsParams, learning_rate: f64, step: u64) {
         if let Some(max_norm) = self.config.train.gradient_clipping_by_norm {
-            let norm = global_norm(&buckets);
-            if norm > max_norm {
-                let scale = (max_norm / norm) as f64;
-                buckets = buckets.into_iter().map(|b| b.mul_scalar(scale)).collect();
-            }
+            grads = clip_by_global_norm(&self.model, grads, max_norm);
         }
-        let grads = unflatten_gradients::<Train<B>>(layout, buckets);
         self.model = self.optim.step(learning_rate, self.model.clone(), grads);
         if let Some(ema) = &mut self.ema {
             ema.update(&self.model.valid(), step + 1, &self.trainable);
@@ -529,13 +529,14 @@ pub fn train<B: SsdBackend>(
             )),
             _ => None,
         };
+        let trainable = trainable_ids(&model);
         let replica = Replica {
             index: i,
             device: device.clone(),
             model,
             optim,
             ema,
-            trainable: HashSet::new(),
+            trainable,
             config: shared_config.clone(),
             anchors: anchors.clone(),
             sync: sync.clone(),

@@ -7,10 +7,11 @@
 //! - Adam (`tf.train.AdamOptimizer`): `lr_t = lr sqrt(1 - b2^t) / (1 - b1^t)`,
 //!   `w <- w - lr_t m / (sqrt(v) + epsilon)`.
 
-use burn::optim::SimpleOptimizer;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::record::Record;
-use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor};
 use model::ops::{RmsPropStep, SsdBackend, rmsprop_update};
 
 use crate::config::OptimizerConfig;
@@ -178,6 +179,66 @@ impl<B: SsdBackend> SimpleOptimizer<B> for TfOptimizer {
     }
 }
 
+/// The sum of the squared gradients of a module's parameters, formed on the device.
+struct SquaredNorm<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    sum: Option<Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            let squares = g.square().sum();
+            self.sum = Some(match self.sum.take() {
+                Some(sum) => sum + squares,
+                None => squares,
+            });
+        }
+    }
+}
+
+/// Multiplies every gradient of a module's parameters by one factor.
+struct Scale<'a> {
+    grads: &'a mut GradientsParams,
+    factor: f64,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads.register(param.id, g.mul_scalar(self.factor));
+        }
+    }
+}
+
+/// TF's `clip_by_global_norm` (what `gradient_clipping_by_norm` selects in the API's
+/// `model_main.py`): when the L2 norm of all of `model`'s gradients together exceeds
+/// `max_norm`, every gradient is multiplied by `max_norm / norm`; otherwise they are left as
+/// they are.
+pub fn clip_by_global_norm<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+    mut grads: GradientsParams,
+    max_norm: f32,
+) -> GradientsParams {
+    let mut squares = SquaredNorm::<B> {
+        grads: &grads,
+        sum: None,
+    };
+    model.visit(&mut squares);
+    let Some(sum) = squares.sum else {
+        return grads;
+    };
+    let norm = sum.into_scalar().elem::<f64>().sqrt();
+    if norm > max_norm as f64 {
+        let factor = max_norm as f64 / norm;
+        model.visit(&mut Scale {
+            grads: &mut grads,
+            factor,
+        });
+    }
+    grads
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,5 +297,43 @@ mod tests {
         );
         // t = 1: m = 0.05, v = 0.00025, lr_t = 0.1 sqrt(0.001) / 0.1; step = lr_t m / sqrt(v) = 0.1
         assert!((w[0] - 0.9).abs() < 1e-5, "{w:?}");
+    }
+
+    #[test]
+    fn clipping_scales_every_gradient_by_the_global_norm() {
+        use burn::backend::Autodiff;
+        use burn::nn::{Linear, LinearConfig};
+        type A = Autodiff<Flex>;
+        let device = Default::default();
+        let linear: Linear<A> = LinearConfig::new(2, 1).init(&device);
+        let bias_id = linear.bias.as_ref().expect("a bias").id;
+        let grads = |w: [f32; 2], b: f32| {
+            let mut g = GradientsParams::new();
+            let weight = TensorData::new(w.to_vec(), [2, 1]);
+            g.register::<B, 2>(linear.weight.id, Tensor::from_data(weight, &device));
+            g.register::<B, 1>(
+                bias_id,
+                Tensor::from_data(TensorData::new(vec![b], [1]), &device),
+            );
+            g
+        };
+        let values = |g: &GradientsParams| {
+            let w = g.get::<B, 2>(linear.weight.id).expect("weight gradient");
+            let b = g.get::<B, 1>(bias_id).expect("bias gradient");
+            let mut v = w.into_data().to_vec::<f32>().expect("f32");
+            v.extend(b.into_data().to_vec::<f32>().expect("f32"));
+            v
+        };
+        // global norm sqrt(3^2 + 0^2 + 4^2) = 5: clipped to 1, each gradient is scaled by 0.2
+        let clipped = clip_by_global_norm(&linear, grads([3.0, 0.0], 4.0), 1.0);
+        let v = values(&clipped);
+        for (got, want) in v.iter().zip([0.6, 0.0, 0.8]) {
+            assert!((got - want).abs() < 1e-6, "{v:?}");
+        }
+        // at or under the limit nothing changes
+        for limit in [5.0, 10.0] {
+            let same = clip_by_global_norm(&linear, grads([3.0, 0.0], 4.0), limit);
+            assert_eq!(values(&same), vec![3.0, 0.0, 4.0]);
+        }
     }
 }

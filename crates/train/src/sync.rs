@@ -20,6 +20,10 @@ pub trait GradientSync<B: Backend>: Send + Sync {
         buckets: Vec<Tensor<B, 1>>,
     ) -> Result<Vec<Tensor<B, 1>>, String>;
 
+    /// Whether the caller is the only replica of the whole run: then the mean is its own
+    /// gradients, and it need not call [`Self::all_reduce_mean`] at all.
+    fn single_replica(&self) -> bool;
+
     /// Makes every pending and future call fail (a replica died): nobody waits forever.
     fn abort(&self, reason: String);
 }
@@ -136,7 +140,7 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
         replica: usize,
         buckets: Vec<Tensor<B, 1>>,
     ) -> Result<Vec<Tensor<B, 1>>, String> {
-        if self.replicas == 1 && self.nodes.is_none() {
+        if self.single_replica() {
             return Ok(buckets);
         }
         if self.replicas == 1 {
@@ -211,6 +215,10 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
             .iter()
             .map(|t| t.clone().to_device(&device))
             .collect())
+    }
+
+    fn single_replica(&self) -> bool {
+        self.replicas == 1 && self.nodes.is_none()
     }
 
     fn abort(&self, reason: String) {
@@ -301,17 +309,6 @@ pub fn flatten_gradients<B: AutodiffBackend>(
     )
 }
 
-/// Global L2 norm of the buckets.
-pub fn global_norm<B: Backend>(buckets: &[Tensor<B, 1>]) -> f32 {
-    buckets
-        .iter()
-        .map(|b| b.clone().square().sum().into_scalar().elem::<f32>() as f64)
-        .sum::<f64>()
-        .sqrt() as f32
-}
-
-use burn::tensor::ElementConversion;
-
 /// Rebuilds per-parameter gradients from buckets laid out by [`flatten_gradients`].
 pub fn unflatten_gradients<B: AutodiffBackend>(
     layout: &BucketLayout,
@@ -336,11 +333,6 @@ pub fn unflatten_gradients<B: AutodiffBackend>(
         }
     }
     grads
-}
-
-/// Parameter ids that receive gradients (the trainable ones).
-pub fn trainable_ids(layout: &BucketLayout) -> Vec<ParamId> {
-    layout.params.iter().map(|(id, _)| *id).collect()
 }
 
 struct Checksum(std::hash::DefaultHasher);

@@ -1,5 +1,6 @@
-//! The learner end to end on the CPU, with tiny networks: replicas stay identical, two
-//! replicas equal one device averaging the two micro-batch gradients, kill-and-resume gives
+//! The learner end to end on the CPU, with tiny networks: replicas stay identical, one or two
+//! replicas equal one device averaging the micro-batch gradients (clipped by global norm),
+//! kill-and-resume gives
 //! the uninterrupted result, checkpoints resume on another replica count, a diverging run
 //! stops naming the step.
 
@@ -25,7 +26,7 @@ use train::config::{
 };
 use train::events::Event;
 use train::learner::{RunOptions, RunSummary, train};
-use train::optim::TfOptimizer;
+use train::optim::{TfOptimizer, clip_by_global_norm};
 use train::sync::{flatten_gradients, unflatten_gradients};
 
 type B = Flex;
@@ -190,13 +191,19 @@ fn three_replicas_stay_identical_and_evaluate() {
 
 /// Two replicas of batch 2 against one network taking the mean of the gradients of the same
 /// two micro-batches (and the mean of their BatchNorm statistics).
-#[test]
-fn two_replicas_equal_gradient_averaging_on_one_device() {
+/// Trains one step with `replicas` replicas (the batch split between them) and gradients
+/// clipped to a global norm far below theirs, and checks the result against the same step
+/// done by hand: each part's gradients, their mean, clipped, one optimizer step; BatchNorm
+/// statistics averaged. Returns how far the learner's weights are from the same step
+/// without clipping.
+fn learner_equals_manual_step(replicas: usize) -> f32 {
+    let clip = 1e-3;
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
     let runs = tempfile::tempdir().unwrap();
-    let c = config(data.path(), 1);
-    run(&c, runs.path(), 2).unwrap();
+    let mut c = config(data.path(), 1);
+    c.train.gradient_clipping_by_norm = Some(clip);
+    run(&c, runs.path(), replicas).unwrap();
     let from_learner = weights(&c, runs.path());
 
     let device = Default::default();
@@ -221,7 +228,7 @@ fn two_replicas_equal_gradient_averaging_on_one_device() {
     let mut sum: Option<Vec<Tensor<B, 1>>> = None;
     let mut layout = None;
     let mut stats = Vec::new();
-    for part in batch.split(2) {
+    for part in batch.split(replicas) {
         let net = c
             .model
             .init::<Autodiff<B>>(c.train.seed, &device)
@@ -248,37 +255,63 @@ fn two_replicas_equal_gradient_averaging_on_one_device() {
         });
         stats.push(train::sync::bn_stats_flat(&net.valid()));
     }
-    let mean: Vec<_> = sum
-        .unwrap()
+    let (layout, n) = (layout.unwrap(), replicas as f64);
+    let mean: Vec<_> = sum.unwrap().into_iter().map(|b| b.div_scalar(n)).collect();
+    let stats = stats
         .into_iter()
-        .map(|b| b.div_scalar(2.0))
-        .collect();
-    let grads = unflatten_gradients::<Autodiff<B>>(&layout.unwrap(), mean);
-    let mut optim: OptimizerAdaptor<TfOptimizer, Ssd<Autodiff<B>>, Autodiff<B>> =
-        OptimizerAdaptor::from(TfOptimizer::from(&c.train.optimizer));
-    let stepped = optim.step(0.002, base, grads).valid();
-    let [a, b]: [_; 2] = stats.try_into().unwrap();
-    train::sync::set_bn_stats_flat(&stepped, (a + b).div_scalar(2.0));
-    let mut manual = Vec::new();
-    for w in [
-        stepped.backbone.conv0.conv.weight.val(),
-        stepped.class_heads[0].weight.val(),
-    ] {
-        manual.extend(w.into_data().to_vec::<f32>().unwrap());
-    }
-    manual.extend(
-        stepped
-            .backbone
-            .conv0
-            .bn
-            .moving_stats()
-            .1
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap(),
-    );
-    let d = max_diff(&from_learner, &manual);
+        .reduce(|a, b| a + b)
+        .unwrap()
+        .div_scalar(n);
+    let manual = |clip: Option<f32>| {
+        let mut grads = unflatten_gradients::<Autodiff<B>>(&layout, mean.clone());
+        if let Some(clip) = clip {
+            grads = clip_by_global_norm(&base, grads, clip);
+        }
+        let mut optim: OptimizerAdaptor<TfOptimizer, Ssd<Autodiff<B>>, Autodiff<B>> =
+            OptimizerAdaptor::from(TfOptimizer::from(&c.train.optimizer));
+        let stepped = optim.step(0.002, base.clone(), grads).valid();
+        train::sync::set_bn_stats_flat(&stepped, stats.clone());
+        let mut values = Vec::new();
+        for w in [
+            stepped.backbone.conv0.conv.weight.val(),
+            stepped.class_heads[0].weight.val(),
+        ] {
+            values.extend(w.into_data().to_vec::<f32>().unwrap());
+        }
+        values.extend(
+            stepped
+                .backbone
+                .conv0
+                .bn
+                .moving_stats()
+                .1
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap(),
+        );
+        values
+    };
+    let d = max_diff(&from_learner, &manual(Some(clip)));
     assert!(d < 1e-5, "max difference {d}");
+    max_diff(&from_learner, &manual(None))
+}
+
+#[test]
+fn two_replicas_equal_gradient_averaging_on_one_device() {
+    let unclipped = learner_equals_manual_step(2);
+    assert!(
+        unclipped > 1e-4,
+        "clipping changed the weights by only {unclipped}"
+    );
+}
+
+#[test]
+fn one_replica_equals_its_own_gradients() {
+    let unclipped = learner_equals_manual_step(1);
+    assert!(
+        unclipped > 1e-4,
+        "clipping changed the weights by only {unclipped}"
+    );
 }
 
 #[test]
