@@ -21,6 +21,8 @@ pub fn ema_decay(decay: f64, num_updates: u64) -> f64 {
 pub struct Ema<B: Backend> {
     decay: f64,
     shadow: Ssd<B>,
+    /// The parameters averaged; the others are copied.
+    trainable: HashSet<ParamId>,
 }
 
 struct Collect<B: Backend> {
@@ -60,28 +62,26 @@ impl<B: SsdBackend> ModuleMapper<B> for Blend<'_, B> {
 }
 
 impl<B: SsdBackend> Ema<B> {
-    /// Starts the average at `model`'s weights.
-    pub fn new(model: Ssd<B>, decay: f64) -> Self {
+    /// Starts the average at `shadow` (the network's weights, or an average restored from a
+    /// checkpoint), averaging the parameters in `trainable` ([`trainable_ids`]) and copying
+    /// the others.
+    pub fn new(shadow: Ssd<B>, decay: f64, trainable: HashSet<ParamId>) -> Self {
         Self {
             decay,
-            shadow: model,
+            shadow,
+            trainable,
         }
     }
 
-    /// Restores an average (e.g. from a checkpoint).
-    pub fn from_shadow(shadow: Ssd<B>, decay: f64) -> Self {
-        Self { decay, shadow }
-    }
-
     /// One update with the weights after `num_updates` optimizer steps.
-    pub fn update(&mut self, current: &Ssd<B>, num_updates: u64, trainable: &HashSet<ParamId>) {
+    pub fn update(&mut self, current: &Ssd<B>, num_updates: u64) {
         let mut collect = Collect {
             values: HashMap::new(),
         };
         current.visit(&mut collect);
         let mut blend = Blend {
             current: collect.values,
-            trainable,
+            trainable: &self.trainable,
             keep: ema_decay(self.decay, num_updates),
         };
         self.shadow = self.shadow.clone().map(&mut blend);
@@ -163,8 +163,8 @@ mod tests {
             .unwrap();
         let gamma_id = a.backbone.conv0.bn.gamma.id;
         let trainable: HashSet<ParamId> = [a.backbone.conv0.conv.weight.id].into();
-        let mut ema = Ema::new(a, 0.9999);
-        ema.update(&b, 10, &trainable);
+        let mut ema = Ema::new(a, 0.9999, trainable);
+        ema.update(&b, 10);
         // d = 11 / 20: shadow = w0 - 0.45 (w0 - w1)
         let s = ema
             .shadow()

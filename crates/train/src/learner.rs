@@ -2,7 +2,6 @@
 //! holding a copy of the network made from one record, taking a disjoint slice of every global
 //! batch; gradients are averaged by a bucketed all-reduce so the replicas stay identical.
 
-use std::collections::HashSet;
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -14,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
-use burn::module::{AutodiffModule, ParamId};
+use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
@@ -147,7 +146,6 @@ struct Replica<B: SsdBackend> {
     model: Ssd<Train<B>>,
     optim: Optim<B>,
     ema: Option<Ema<B>>,
-    trainable: HashSet<ParamId>,
     config: Arc<TrainConfig>,
     anchors: Arc<Vec<BBox>>,
     sync: Arc<dyn GradientSync<B>>,
@@ -194,7 +192,7 @@ impl<B: SsdBackend> Replica<B> {
 
     /// This replica's gradients and a tail of values to average with them: the loss parts and
     /// the stop request.
-    fn gradients(&mut self, batch: Batch, stop: bool) -> (GradientsParams, Tensor<B, 1>) {
+    fn gradients(&self, batch: Batch, stop: bool) -> (GradientsParams, Tensor<B, 1>) {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
         let targets: Vec<_> = batch
@@ -252,7 +250,7 @@ impl<B: SsdBackend> Replica<B> {
         }
         self.model = self.optim.step(learning_rate, self.model.clone(), grads);
         if let Some(ema) = &mut self.ema {
-            ema.update(&self.model.valid(), step + 1, &self.trainable);
+            ema.update(&self.model.valid(), step + 1);
         }
     }
 
@@ -523,20 +521,19 @@ pub fn train<B: SsdBackend>(
             optim = optim.load_record(rec);
         }
         let ema = match (i, config.train.moving_average_decay) {
-            (0, Some(decay)) => Some(Ema::from_shadow(
+            (0, Some(decay)) => Some(Ema::new(
                 start.ema.clone().unwrap_or_else(|| model.valid()),
                 decay,
+                trainable_ids(&model),
             )),
             _ => None,
         };
-        let trainable = trainable_ids(&model);
         let replica = Replica {
             index: i,
             device: device.clone(),
             model,
             optim,
             ema,
-            trainable,
             config: shared_config.clone(),
             anchors: anchors.clone(),
             sync: sync.clone(),

@@ -337,6 +337,11 @@ pub fn conv_backward(
     // products are too small to repay the copy.
     let weight_t = (with_dx && g.out_plane() >= MIN_COLUMNS_FOR_TRANSPOSE)
         .then(|| transposed(weight, g.out_channels, g.patch()));
+    // the input-gradient product's left operand `W^T` (`a`): the copy, or `W` read transposed
+    let (a, a_t) = match &weight_t {
+        Some(wt) => (wt.as_slice(), false),
+        None => (weight, true),
+    };
     let groups: Vec<_> = x
         .chunks(split.images_per_group * image_len)
         .zip(dy.chunks(split.images_per_group * out_len))
@@ -367,15 +372,11 @@ pub fn conv_backward(
                 let dimage = &mut dimages[b * image_len..][..image_len];
                 // dcols (patch x plane) = W^T (patch x out) * dY (out x plane)
                 let dcols_shape = [g.patch(), g.out_plane(), g.out_channels];
-                let (a, a_t) = match &weight_t {
-                    Some(wt) => (wt.as_slice(), false),
-                    None => (weight, true),
-                };
                 if g.is_pointwise() {
                     gemm_into(dimage, a, a_t, grad, false, dcols_shape, false, parallel);
                 } else {
-                    let (dst, shape) = (as_uninit(&mut dcols), dcols_shape);
-                    gemm_into(dst, a, a_t, grad, false, shape, false, parallel);
+                    let dst = as_uninit(&mut dcols);
+                    gemm_into(dst, a, a_t, grad, false, dcols_shape, false, parallel);
                     col2im(g, &dcols, dimage);
                 }
             }
@@ -710,7 +711,7 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
         .zip(partial.par_chunks_mut(kk))
         .enumerate()
         .for_each_init(
-            || (Vec::new(), Vec::new(), BlockGrad::default()),
+            || (Vec::new(), Vec::new(), BlockGrad::new(margin)),
             |(xs, dxs, block_grad), (p, (dplane, dfilter))| {
                 let grad = &dy[p * g.out_plane()..][..g.out_plane()];
                 let filter = &weight[(p % c) * kk..][..kk];
@@ -718,7 +719,7 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                 dxs.clear();
                 dxs.resize(padded.len(), 0.0);
                 for &(oy, rows) in &blocks {
-                    block_grad.fill(&padded, grad, (oy, rows), margin);
+                    block_grad.fill(&padded, grad, (oy, rows));
                     let flat = block_grad.values();
                     for (d, tap) in dfilter.iter_mut().zip(padded.taps(xs, (oy, rows))) {
                         *d += dot(flat, tap);
@@ -752,7 +753,6 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
 /// One block's output gradient laid out like the block's runs (row `j` at `j * run`, zeros
 /// between rows), after `margin` zeros and followed by zeros to `2 * margin` past its end, so
 /// that runs shifted back by up to `margin` read zeros outside the block.
-#[derive(Default)]
 struct BlockGrad {
     buf: Vec<f32>,
     margin: usize,
@@ -760,17 +760,23 @@ struct BlockGrad {
 }
 
 impl BlockGrad {
+    fn new(margin: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            margin,
+            len: 0,
+        }
+    }
+
     /// Lays out rows `oy .. oy + rows` of the plane gradient `grad`. Every block writes the
     /// same places, so the zeros between rows stay; the zeros after the block are rewritten
     /// (a longer block before it may have left values there).
-    fn fill(&mut self, padded: &Padded, grad: &[f32], (oy, rows): (usize, usize), margin: usize) {
-        let len = padded.block_len(rows);
-        let total = len + 2 * margin;
-        if self.margin != margin || self.buf.len() < total {
-            self.buf.clear();
-            self.buf.resize(total, 0.0);
+    fn fill(&mut self, padded: &Padded, grad: &[f32], (oy, rows): (usize, usize)) {
+        let (margin, len) = (self.margin, padded.block_len(rows));
+        if self.buf.len() < len + 2 * margin {
+            self.buf.resize(len + 2 * margin, 0.0);
         }
-        (self.margin, self.len) = (margin, len);
+        self.len = len;
         let rows_out = grad[oy * padded.out_width..].chunks(padded.out_width);
         for (j, row) in rows_out.take(rows).enumerate() {
             self.buf[margin + j * padded.run..][..padded.out_width].copy_from_slice(row);
