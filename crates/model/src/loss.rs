@@ -2,6 +2,9 @@
 //! weighted smooth L1 for boxes, hard example mining per image, normalisation by the number
 //! of matched anchors, and the L2 regulariser as its own term.
 
+use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
@@ -10,7 +13,7 @@ use rayon::prelude::*;
 use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::{HardExampleMinerConfig, LossConfig, MinerLossType, SsdConfig};
-use crate::ops::{SsdBackend, sigmoid_cross_entropy};
+use crate::ops::{SsdBackend, add_scaled, sigmoid_cross_entropy};
 use crate::postprocess::non_max_suppression;
 use crate::ssd::{Predictions, Ssd};
 use crate::targets::{ImageTargets, Match};
@@ -22,7 +25,7 @@ pub struct LossParts<B: Backend> {
     pub classification: Tensor<B, 1>,
     /// Weighted, mined, normalised localization loss.
     pub localization: Tensor<B, 1>,
-    /// L2 weight regularisation.
+    /// L2 weight regularisation: a value, outside the graph (see [`LossParts::gradients`]).
     pub regularization: Tensor<B, 1>,
     /// Sum of the three.
     pub total: Tensor<B, 1>,
@@ -30,6 +33,26 @@ pub struct LossParts<B: Backend> {
     pub num_matches: usize,
     /// Anchors the miner kept as negatives, over the batch.
     pub num_mined_negatives: usize,
+    /// The regulariser's weight, for its gradient.
+    l2_weight: f32,
+}
+
+impl<B: SsdBackend> LossParts<Autodiff<B>> {
+    /// The gradients of `total` for every parameter of `model`, the network that computed
+    /// this loss. The L2 term is not in the graph: its gradient, `l2_weight * w`, is added
+    /// to each kernel's gradient in one pass. As graph nodes it cost a product per kernel, a
+    /// one-threaded sum into the kernel's gradient and the nodes' bookkeeping: about 15 ms
+    /// of a 570 ms step at batch 8 on two cores.
+    pub fn gradients(&self, model: &Ssd<Autodiff<B>>) -> GradientsParams {
+        let mut grads = GradientsParams::from_grads(self.total.backward(), model);
+        for kernel in model.kernels() {
+            if let Some(g) = grads.remove::<B, 4>(kernel.id) {
+                let w = kernel.val().inner();
+                grads.register(kernel.id, add_scaled(g, w, self.l2_weight));
+            }
+        }
+        grads
+    }
 }
 
 /// Indices of the anchors hard example mining keeps for one image, as `HardExampleMiner`:
@@ -225,14 +248,15 @@ fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .expect("a float tensor converts to f32")
 }
 
-/// Full loss of a batch: forward pass, detection loss and L2 regularisation.
+/// Full loss of a batch: forward pass, detection loss and L2 regularisation; its
+/// gradients come from [`LossParts::gradients`].
 pub fn compute_loss<B: SsdBackend>(
-    model: &Ssd<B>,
+    model: &Ssd<Autodiff<B>>,
     config: &SsdConfig,
     anchors: &[BBox],
-    images: Tensor<B, 4>,
+    images: Tensor<Autodiff<B>, 4>,
     targets: &[ImageTargets],
-) -> LossParts<B> {
+) -> LossParts<Autodiff<B>> {
     let predictions = model.forward(images);
     let (classification, localization, num_matches, num_mined_negatives) = detection_loss(
         &config.loss,
@@ -241,9 +265,9 @@ pub fn compute_loss<B: SsdBackend>(
         &predictions,
         targets,
     );
-    let regularization = model
-        .l2_half_sum_of_squares()
-        .mul_scalar(config.loss.l2_weight);
+    let l2_weight = config.loss.l2_weight;
+    let regularization =
+        Tensor::from_inner(model.valid().l2_half_sum_of_squares().mul_scalar(l2_weight));
     let total = classification.clone() + localization.clone() + regularization.clone();
     LossParts {
         classification,
@@ -252,6 +276,7 @@ pub fn compute_loss<B: SsdBackend>(
         total,
         num_matches,
         num_mined_negatives,
+        l2_weight,
     }
 }
 
@@ -326,5 +351,102 @@ mod tests {
         let (boxes, losses, _) = case();
         let matches = vec![Unmatched; 6];
         assert!(mine_hard_examples(&miner(3, 0), &losses, &boxes, &matches).is_empty());
+    }
+
+    /// The gradients with the L2 term added outside the graph equal Burn's differentiation
+    /// of the whole loss with the term inside it, for every parameter.
+    #[test]
+    fn gradients_equal_differentiating_the_l2_term_in_the_graph() {
+        use crate::targets::{GroundTruth, assign_targets};
+        use burn::backend::Flex;
+        use burn::module::{Module, ModuleVisitor, Param};
+        use burn::tensor::Distribution;
+        type A = Autodiff<Flex>;
+
+        let mut config = SsdConfig {
+            num_classes: 2,
+            image_size: [64, 64],
+            depth_multiplier: 0.25,
+            ..Default::default()
+        };
+        // large enough that the L2 gradient is a large part of every kernel's gradient
+        config.loss.l2_weight = 20.0;
+        let device = Default::default();
+        let net = config.init::<A>(7, &device).unwrap();
+        let anchors = crate::ssd::anchors(&config);
+        let gt = [GroundTruth {
+            bbox: BBox::new(0.2, 0.3, 0.7, 0.9),
+            class_id: 1,
+        }];
+        let targets = [assign_targets(
+            &config.matcher,
+            &config.box_coder(),
+            &anchors,
+            &gt,
+        )];
+        <Flex as Backend>::seed(&device, 3);
+        let images = Tensor::<A, 4>::random([1, 3, 64, 64], Distribution::Default, &device);
+        let loss = || compute_loss(&net, &config, &anchors, images.clone(), &targets);
+
+        let ours = loss().gradients(&net);
+        let differentiate = |with_l2: bool| {
+            let parts = loss();
+            let mut total = parts.classification + parts.localization;
+            if with_l2 {
+                total = total + net.l2_half_sum_of_squares().mul_scalar(20.0);
+            }
+            GradientsParams::from_grads(total.backward(), &net)
+        };
+        let reference = differentiate(true);
+        let detection_only = differentiate(false);
+
+        /// Largest difference of `ours` from `reference` and from `detection_only` over
+        /// every parameter, relative to the parameter's largest reference gradient.
+        struct Compare<'a> {
+            grads: [&'a GradientsParams; 3],
+            worst: f32,
+            l2_share: f32,
+            params: usize,
+        }
+        impl ModuleVisitor<A> for Compare<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<A, D>>) {
+                let [ours, reference, detection] = self.grads.map(|g| {
+                    g.get::<Flex, D>(param.id)
+                        .map(|t| t.into_data().to_vec::<f32>().expect("f32"))
+                });
+                // BatchNorm's moving statistics have no gradient in any of the three
+                let (Some(ours), Some(reference), Some(detection)) = (ours, reference, detection)
+                else {
+                    return;
+                };
+                let scale = reference.iter().fold(1e-12f32, |m, v| m.max(v.abs()));
+                let diff = |a: &[f32], b: &[f32]| {
+                    a.iter()
+                        .zip(b)
+                        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+                        / scale
+                };
+                self.worst = self.worst.max(diff(&ours, &reference));
+                if D == 4 {
+                    self.l2_share = self.l2_share.min(diff(&ours, &detection));
+                }
+                self.params += 1;
+            }
+        }
+        let mut compare = Compare {
+            grads: [&ours, &reference, &detection_only],
+            worst: 0.0,
+            l2_share: f32::MAX,
+            params: 0,
+        };
+        net.visit(&mut compare);
+        assert!(compare.params > 50, "{} parameters", compare.params);
+        assert!(compare.worst < 1e-5, "largest difference {}", compare.worst);
+        // the L2 term changes every kernel's gradient
+        assert!(
+            compare.l2_share > 1e-3,
+            "smallest L2 part {}",
+            compare.l2_share
+        );
     }
 }

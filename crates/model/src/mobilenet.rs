@@ -1,6 +1,6 @@
 //! The MobileNet-v1 backbone up to `Conv2d_13_pointwise`, as `mobilenet_v1_base` builds it.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use rand::Rng;
@@ -109,14 +109,14 @@ impl<B: Backend> MobileNetV1<B> {
     }
 
     /// Every convolution kernel of the backbone.
-    pub(crate) fn conv_weights(&self) -> Vec<Tensor<B, 4>> {
+    pub(crate) fn conv_weights(&self) -> Vec<&Param<Tensor<B, 4>>> {
         std::iter::once(&self.conv0)
             .chain(
                 self.blocks
                     .iter()
                     .flat_map(|b| [&b.depthwise, &b.pointwise]),
             )
-            .map(|u| u.conv.weight.val())
+            .map(|u| &u.conv.weight)
             .collect()
     }
 }

@@ -1,7 +1,7 @@
 //! The SSD-MobileNet-v1 network: backbone, the four extra feature layers and the
 //! convolutional box predictor with 1x1 kernels.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::conv::Conv2d;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -196,18 +196,18 @@ impl<B: Backend> Ssd<B> {
     }
 
     /// Every convolution kernel, backbone first, then extra layers, then predictor heads.
-    fn kernels(&self) -> Vec<Tensor<B, 4>> {
+    pub(crate) fn kernels(&self) -> Vec<&Param<Tensor<B, 4>>> {
         let mut kernels = self.backbone.conv_weights();
         kernels.extend(
             self.extras
                 .iter()
-                .flat_map(|e| [e.reduce.conv.weight.val(), e.expand.conv.weight.val()]),
+                .flat_map(|e| [&e.reduce.conv.weight, &e.expand.conv.weight]),
         );
         kernels.extend(
             self.box_heads
                 .iter()
                 .chain(&self.class_heads)
-                .map(|c| c.weight.val()),
+                .map(|c| &c.weight),
         );
         kernels
     }
@@ -283,7 +283,7 @@ impl<B: SsdBackend> Ssd<B> {
     pub fn l2_half_sum_of_squares(&self) -> Tensor<B, 1> {
         self.kernels()
             .into_iter()
-            .map(crate::ops::half_squared_norm)
+            .map(|k| crate::ops::half_squared_norm(k.val()))
             .reduce(|a, b| a + b)
             .expect("the network has kernels")
     }

@@ -3,7 +3,7 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamConfig, Optimizer};
 use burn::tensor::{Tensor, TensorData};
 use model::config::BatchNormConfig;
 use model::loss::compute_loss;
@@ -91,7 +91,7 @@ fn small_model_overfits_one_batch() {
         let total: f32 = loss.total.clone().into_scalar();
         first.get_or_insert(total);
         last = total;
-        let grads = GradientsParams::from_grads(loss.total.backward(), &net);
+        let grads = loss.gradients(&net);
         net = optim.step(2e-3, net, grads);
     }
     let first = first.unwrap();

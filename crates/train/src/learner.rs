@@ -202,7 +202,7 @@ impl<B: SsdBackend> Replica<B> {
             .collect();
         let images = batch.images_tensor::<Train<B>>(&self.device);
         let loss = compute_loss(&self.model, cfg, &self.anchors, images, &targets);
-        let grads = GradientsParams::from_grads(loss.total.backward(), &self.model);
+        let grads = loss.gradients(&self.model);
         let stop = Tensor::<B, 1>::from_data(
             TensorData::new(vec![if stop { 1.0f32 } else { 0.0 }], [1]),
             &self.device,

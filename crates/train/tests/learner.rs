@@ -10,8 +10,8 @@ use std::sync::atomic::AtomicBool;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
+use burn::optim::Optimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::Tensor;
 use data::loader::{Loader, LoaderConfig, Position};
 use data::shards::expand_patterns;
@@ -252,7 +252,7 @@ fn learner_equals_manual_step(replicas: usize) {
             part.images_tensor(&device),
             &targets,
         );
-        let grads = GradientsParams::from_grads(loss.total.backward(), &net);
+        let grads = loss.gradients(&net);
         let (l, buckets) = flatten_gradients(&net, grads, None);
         layout = Some(l);
         sum = Some(match sum {

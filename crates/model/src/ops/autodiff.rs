@@ -94,37 +94,9 @@ impl<B: SsdBackend> Backward<B, 1> for SigmoidCrossEntropy {
     }
 }
 
-/// `sum(x^2) / 2`, whose gradient is `x` times the output gradient.
-#[derive(Debug)]
-struct HalfSquaredNorm;
-
-impl<B: SsdBackend> Backward<B, 1> for HalfSquaredNorm {
-    type State = FloatTensor<B>;
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [parent] = ops.parents;
-        if let Some(node) = parent {
-            grads.register::<B>(node.id, B::scale_by(ops.state, grad));
-        }
-    }
-}
-
 impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
     fn on_compute_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         B::on_compute_thread(f)
-    }
-
-    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        let out = B::half_squared_norm(x.primitive.clone());
-        match HalfSquaredNorm
-            .prepare::<C>([x.node])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(x.primitive, out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        }
     }
 
     fn sigmoid_cross_entropy(

@@ -803,11 +803,12 @@ pub fn half_squared_norm(x: &[f32]) -> f32 {
     (partials.iter().sum::<f64>() / 2.0) as f32
 }
 
-/// `x * s`, in parallel.
-pub fn scaled(x: &[f32], s: f32) -> Vec<f32> {
-    parallel_values(x.len(), ELEMENTWISE_CHUNK, |r| {
-        x[r].iter().map(move |v| v * s)
-    })
+/// `x += alpha y`, in parallel.
+pub fn add_scaled_in_place(x: &mut [f32], y: &[f32], alpha: f32) {
+    assert_eq!(x.len(), y.len());
+    x.par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(y.par_chunks(ELEMENTWISE_CHUNK))
+        .for_each(|(x, y)| axpy(x, alpha, y));
 }
 
 /// `(sum(x), sum((x - shift)^2))` of a slice with lane accumulators.

@@ -23,6 +23,18 @@ fn contiguous(t: &FlexTensor) -> FlexTensor {
     }
 }
 
+/// `t`'s values in a buffer of exactly them that may be written: `t` itself when it is a
+/// whole buffer nobody else holds, else a copy.
+fn writable(t: FlexTensor) -> FlexTensor {
+    let len = t.shape().num_elements();
+    let whole = t.layout().contiguous_offsets() == Some((0, len));
+    let mut t = if whole { t } else { t.to_contiguous() };
+    if t.try_storage_mut::<f32>().is_none_or(|s| s.len() != len) {
+        t = FlexTensor::from_data(t.into_data());
+    }
+    t
+}
+
 fn values(t: &FlexTensor) -> &[f32] {
     t.as_slice::<f32>()
         .expect("an f32 tensor made contiguous has a contiguous f32 slice")
@@ -244,14 +256,14 @@ impl SsdBackend for Flex {
         )
     }
 
-    fn scale_by(x: FloatTensor<Self>, s: FloatTensor<Self>) -> FloatTensor<Self> {
-        if !all_f32(&[&x, &s]) {
-            return reference::scale_by::<Self>(x, s);
+    fn add_scaled(x: FloatTensor<Self>, y: FloatTensor<Self>, alpha: f32) -> FloatTensor<Self> {
+        if !all_f32(&[&x, &y]) || x.shape() != y.shape() {
+            return reference::add_scaled::<Self>(x, y, alpha);
         }
-        let s = values(&contiguous(&s))[0];
-        let shape = x.shape();
-        let x = contiguous(&x);
-        output(cpu::scaled(values(&x), s), shape)
+        let y = contiguous(&y);
+        let mut x = writable(x);
+        cpu::add_scaled_in_place(x.storage_mut::<f32>(), values(&y), alpha);
+        x
     }
 
     fn affine_relu6(
@@ -262,17 +274,10 @@ impl SsdBackend for Flex {
         if !all_f32(&[&x, &scale, &shift]) {
             return reference::affine_relu6::<Self>(x, scale, shift);
         }
-        let shape = x.shape();
-        let [_, _, h, w] = shape.dims();
+        let [_, _, h, w] = x.shape().dims();
         let (scale, shift) = (contiguous(&scale), contiguous(&shift));
-        // in place when the input is a whole buffer nobody else holds (the convolution's
-        // output at inference), else into a copy
-        let len = shape.num_elements();
-        let whole = x.layout().contiguous_offsets() == Some((0, len));
-        let mut y = if whole { x } else { x.to_contiguous() };
-        if y.try_storage_mut::<f32>().is_none_or(|s| s.len() != len) {
-            y = FlexTensor::from_data(y.into_data());
-        }
+        // in place on the convolution's output at inference
+        let mut y = writable(x);
         let values = y.storage_mut::<f32>();
         cpu::affine_relu6_in_place(values, h * w, self::values(&scale), self::values(&shift));
         y

@@ -177,10 +177,10 @@ pub trait SsdBackend: Backend {
         reference::half_squared_norm::<Self>(x)
     }
 
-    /// `x * s` for a one-element `s`: the backward pass of
-    /// [`SsdBackend::half_squared_norm`] for the output gradient `s`.
-    fn scale_by(x: FloatTensor<Self>, s: FloatTensor<Self>) -> FloatTensor<Self> {
-        reference::scale_by::<Self>(x, s)
+    /// `x + alpha y` for tensors of one shape (a kernel's gradient plus its L2 gradient),
+    /// into `x`'s buffer where nothing else holds it.
+    fn add_scaled(x: FloatTensor<Self>, y: FloatTensor<Self>, alpha: f32) -> FloatTensor<Self> {
+        reference::add_scaled::<Self>(x, y, alpha)
     }
 
     /// One RMSProp update as TF applies it: `ms <- decay ms + (1 - decay) g^2`,
@@ -295,6 +295,15 @@ pub fn moving_average<B: SsdBackend, const D: usize>(
     keep: f32,
 ) -> Tensor<B, D> {
     tensor(B::moving_average(prim(average), prim(value), keep))
+}
+
+/// [`SsdBackend::add_scaled`] on tensors.
+pub fn add_scaled<B: SsdBackend, const D: usize>(
+    x: Tensor<B, D>,
+    y: Tensor<B, D>,
+    alpha: f32,
+) -> Tensor<B, D> {
+    tensor(B::add_scaled(prim(x), prim(y), alpha))
 }
 
 /// [`SsdBackend::half_squared_norm`] on tensors.

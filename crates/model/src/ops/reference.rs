@@ -193,9 +193,8 @@ pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(flat::<B>(x).square().sum().mul_scalar(0.5))
 }
 
-pub fn scale_by<B: Backend>(x: FloatTensor<B>, s: FloatTensor<B>) -> FloatTensor<B> {
-    let shape = x.shape();
-    B::float_reshape(prim(flat::<B>(x) * tensor::<B, 1>(s)), shape)
+pub fn add_scaled<B: Backend>(x: FloatTensor<B>, y: FloatTensor<B>, alpha: f32) -> FloatTensor<B> {
+    B::float_add(x, B::float_mul_scalar(y, alpha.into()))
 }
 
 pub fn rmsprop_update<B: Backend>(

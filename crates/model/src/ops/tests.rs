@@ -5,8 +5,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Distribution, Tensor};
 
 use super::{
-    ConvGradsWanted, SsdBackend, affine_relu6, batch_norm_relu6, conv_same, half_squared_norm,
-    prim, reference, sigmoid_cross_entropy, tensor,
+    ConvGradsWanted, SsdBackend, add_scaled, affine_relu6, batch_norm_relu6, conv_same,
+    half_squared_norm, prim, reference, sigmoid_cross_entropy, tensor,
 };
 
 type A = Autodiff<Flex>;
@@ -283,25 +283,42 @@ fn reference_conv_backward_matches_autodiff() {
     }
 }
 
+/// A contiguous kernel, a transposed view of one, and one of more values than a parallel
+/// chunk.
+fn kernels(seed: u64) -> [Tensor<Flex, 4>; 3] {
+    [
+        random([6, 5, 3, 3], seed),
+        random([5, 6, 3, 3], seed + 1).swap_dims(0, 1),
+        random([64, 32, 3, 3], seed + 2),
+    ]
+}
+
 #[test]
-fn half_squared_norm_matches_reference_value_and_gradient() {
-    // a contiguous kernel, a transposed view of one, and one of more values than a parallel
-    // chunk
-    let kernels = [
-        random([6, 5, 3, 3], 80),
-        random([5, 6, 3, 3], 81).swap_dims(0, 1),
-        random([64, 32, 3, 3], 82),
-    ];
-    for (n, w) in kernels.into_iter().enumerate() {
-        let what = format!("kernel {n}");
+fn half_squared_norm_matches_reference() {
+    for (n, w) in kernels(80).into_iter().enumerate() {
         let fast = half_squared_norm(w.clone());
-        let slow = tensor::<Flex, 1>(reference::half_squared_norm::<Flex>(prim(w.clone())));
-        assert_close(&what, values(fast), values(slow), 1e-6);
-        // gradient of 3 * sum(w^2) / 2 is 3 w
-        let wa = Tensor::<A, 4>::from_inner(w.clone()).require_grad();
-        let grads = half_squared_norm(wa.clone()).mul_scalar(3.0).backward();
-        let got = wa.grad(&grads).expect("a gradient for the kernel");
-        assert_close(&what, values(got), values(w.mul_scalar(3.0)), 1e-6);
+        let slow = tensor::<Flex, 1>(reference::half_squared_norm::<Flex>(prim(w)));
+        assert_close(&format!("kernel {n}"), values(fast), values(slow), 1e-6);
+    }
+}
+
+#[test]
+fn add_scaled_matches_reference_and_leaves_shared_buffers_alone() {
+    for (n, (x, y)) in kernels(90).into_iter().zip(kernels(95)).enumerate() {
+        let what = format!("kernel {n}");
+        let want = values(x.clone() + y.clone().mul_scalar(0.25));
+        // `x` is also held here: the sum goes to a new buffer
+        let before = values(x.clone());
+        let shared = add_scaled(x.clone(), y.clone(), 0.25);
+        assert_close(&what, values(shared), want.clone(), 1e-6);
+        assert_eq!(
+            values(x.clone()),
+            before,
+            "{what}: the shared input changed"
+        );
+        // a buffer held by nobody else (the case of a gradient) is written in place
+        let own = x.clone() * 1.0;
+        assert_close(&what, values(add_scaled(own, y, 0.25)), want, 1e-6);
     }
 }
 
