@@ -216,13 +216,36 @@ fn im2col(g: &Conv, image: &[f32], cols: &mut [f32]) {
                         let src = &plane[iy * g.width..][..g.width];
                         out[..lo].fill(0.0);
                         out[hi..].fill(0.0);
-                        for (ox, v) in out[lo..hi].iter_mut().enumerate() {
-                            *v = src[(ox + lo) * g.stride + kx - g.pad_left];
-                        }
+                        let first = lo * g.stride + kx - g.pad_left;
+                        copy_strided(&mut out[lo..hi], &src[first..], g.stride);
                     }
                 }
             }
         });
+}
+
+/// `dst[i] = src[i * stride]` for every place of `dst` (`src` holds at least
+/// `(dst.len() - 1) * stride + 1` values).
+fn copy_strided(dst: &mut [f32], src: &[f32], stride: usize) {
+    match stride {
+        1 => dst.copy_from_slice(&src[..dst.len()]),
+        // pairs: the compiler turns this into vector shuffles
+        2 => {
+            let (pairs, last) = src.split_at(src.len() / 2 * 2);
+            let (whole, tail) = dst.split_at_mut(dst.len().min(pairs.len() / 2));
+            for (d, pair) in whole.iter_mut().zip(pairs.chunks_exact(2)) {
+                *d = pair[0];
+            }
+            if let (Some(d), Some(&v)) = (tail.first_mut(), last.first()) {
+                *d = v;
+            }
+        }
+        _ => {
+            for (d, &v) in dst.iter_mut().zip(src.iter().step_by(stride)) {
+                *d = v;
+            }
+        }
+    }
 }
 
 /// Zero-fills `values` and returns them as initialised.
@@ -529,26 +552,7 @@ impl Padded {
             let row = &plane[iy * self.width..][..self.width];
             for &(ix0, count) in &phases {
                 let dst = &mut buf[self.at(r, ix0 + self.pad_left)..][..count];
-                let src = &row[ix0..];
-                match self.stride {
-                    1 => dst.copy_from_slice(&src[..count]),
-                    // pairs: the compiler turns this into vector shuffles
-                    2 => {
-                        let (pairs, last) = src.split_at(src.len() / 2 * 2);
-                        let (whole, tail) = dst.split_at_mut(count.min(pairs.len() / 2));
-                        for (d, pair) in whole.iter_mut().zip(pairs.chunks_exact(2)) {
-                            *d = pair[0];
-                        }
-                        if let (Some(d), Some(&v)) = (tail.first_mut(), last.first()) {
-                            *d = v;
-                        }
-                    }
-                    stride => {
-                        for (d, &v) in dst.iter_mut().zip(src.iter().step_by(stride)) {
-                            *d = v;
-                        }
-                    }
-                }
+                copy_strided(dst, &row[ix0..], self.stride);
             }
         }
     }
