@@ -41,8 +41,9 @@ impl<B: SsdBackend> LossParts<Autodiff<B>> {
     /// The gradients of `total` for every parameter of `model`, the network that computed
     /// this loss. The L2 term is not in the graph: its gradient, `l2_weight * w`, is added
     /// to each kernel's gradient in one pass. As graph nodes it cost a product per kernel, a
-    /// one-threaded sum into the kernel's gradient and the nodes' bookkeeping: about 15 ms
-    /// of a 570 ms step at batch 8 on two cores.
+    /// one-threaded sum into the kernel's gradient and the nodes' bookkeeping: its value and
+    /// gradient took 19.5-22.1 ms a step that way and take 3.9-4.7 ms now (default network,
+    /// two cores; docs/perf.md).
     pub fn gradients(&self, model: &Ssd<Autodiff<B>>) -> GradientsParams {
         let mut grads = GradientsParams::from_grads(self.total.backward(), model);
         for kernel in model.kernels() {
