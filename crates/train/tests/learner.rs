@@ -1,8 +1,7 @@
 //! The learner end to end on the CPU, with tiny networks: replicas stay identical, one or two
 //! replicas equal one device averaging the micro-batch gradients (clipped by global norm),
-//! kill-and-resume gives
-//! the uninterrupted result, checkpoints resume on another replica count, a diverging run
-//! stops naming the step.
+//! kill-and-resume gives the uninterrupted result, checkpoints resume on another replica
+//! count, a diverging run stops naming the step.
 
 use std::path::Path;
 use std::sync::Arc;
