@@ -73,8 +73,9 @@ impl<B: SsdBackend> Ema<B> {
         }
     }
 
-    /// One update with the weights after `num_updates` optimizer steps.
-    pub fn update(&mut self, current: &Ssd<B>, num_updates: u64) {
+    /// The average after one update with the weights after `num_updates` optimizer steps
+    /// (by value: the shadow weights nobody else holds are updated in place).
+    pub fn update(mut self, current: &Ssd<B>, num_updates: u64) -> Self {
         let mut collect = Collect {
             values: HashMap::new(),
         };
@@ -84,7 +85,8 @@ impl<B: SsdBackend> Ema<B> {
             trainable: &self.trainable,
             keep: ema_decay(self.decay, num_updates),
         };
-        self.shadow = self.shadow.clone().map(&mut blend);
+        self.shadow = self.shadow.map(&mut blend);
+        self
     }
 
     /// The averaged network.
@@ -163,8 +165,7 @@ mod tests {
             .unwrap();
         let gamma_id = a.backbone.conv0.bn.gamma.id;
         let trainable: HashSet<ParamId> = [a.backbone.conv0.conv.weight.id].into();
-        let mut ema = Ema::new(a, 0.9999, trainable);
-        ema.update(&b, 10);
+        let ema = Ema::new(a, 0.9999, trainable).update(&b, 10);
         // d = 11 / 20: shadow = w0 - 0.45 (w0 - w1)
         let s = ema
             .shadow()

@@ -143,7 +143,8 @@ enum Reply<B: Backend> {
 struct Replica<B: SsdBackend> {
     index: usize,
     device: B::Device,
-    model: Ssd<Train<B>>,
+    /// The replica's network; `None` only while [`Replica::apply`] updates it.
+    model: Option<Ssd<Train<B>>>,
     optim: Optim<B>,
     ema: Option<Ema<B>>,
     config: Arc<TrainConfig>,
@@ -201,8 +202,8 @@ impl<B: SsdBackend> Replica<B> {
             .map(|gt| assign_targets(&cfg.matcher, &coder, &self.anchors, gt))
             .collect();
         let images = batch.images_tensor::<Train<B>>(&self.device);
-        let loss = compute_loss(&self.model, cfg, &self.anchors, images, &targets);
-        let grads = loss.gradients(&self.model);
+        let loss = compute_loss(self.model(), cfg, &self.anchors, images, &targets);
+        let grads = loss.gradients(self.model());
         let stop = Tensor::<B, 1>::from_data(
             TensorData::new(vec![if stop { 1.0f32 } else { 0.0 }], [1]),
             &self.device,
@@ -233,7 +234,7 @@ impl<B: SsdBackend> Replica<B> {
             return Ok((grads, to_host(tail)?, 0.0));
         }
         let tail_len = tail.dims()[0];
-        let (layout, buckets) = flatten_gradients(&self.model, grads, Some(tail));
+        let (layout, buckets) = flatten_gradients(self.model(), grads, Some(tail));
         let start = Instant::now();
         let buckets = self.sync.all_reduce_mean(self.index, buckets)?;
         let sync_seconds = start.elapsed().as_secs_f64();
@@ -246,12 +247,26 @@ impl<B: SsdBackend> Replica<B> {
     /// Clips the averaged gradients (when configured), then updates the weights and the EMA.
     fn apply(&mut self, mut grads: GradientsParams, learning_rate: f64, step: u64) {
         if let Some(max_norm) = self.config.train.gradient_clipping_by_norm {
-            grads = clip_by_global_norm(&self.model, grads, max_norm);
+            grads = clip_by_global_norm(self.model(), grads, max_norm);
         }
-        self.model = self.optim.step(learning_rate, self.model.clone(), grads);
-        if let Some(ema) = &mut self.ema {
-            ema.update(&self.model.valid(), step + 1);
+        // taken, not cloned: holding the only reference to each weight and slot, the
+        // optimizer updates them in place (and likewise the EMA its shadow)
+        let model = self
+            .model
+            .take()
+            .expect("a replica holds its network between steps");
+        let model = self
+            .model
+            .insert(self.optim.step(learning_rate, model, grads));
+        if let Some(ema) = self.ema.take() {
+            self.ema = Some(ema.update(&model.valid(), step + 1));
         }
+    }
+
+    fn model(&self) -> &Ssd<Train<B>> {
+        self.model
+            .as_ref()
+            .expect("a replica holds its network between steps")
     }
 
     fn handle(&mut self, command: Command) -> Result<Reply<B>, String> {
@@ -265,7 +280,7 @@ impl<B: SsdBackend> Replica<B> {
             Command::Join { step } => {
                 // every replica of every node must start from the same step and weights (a
                 // node that cannot see the checkpoint would silently start afresh)
-                let checksum = weight_checksum(&self.model.valid());
+                let checksum = weight_checksum(&self.model().valid());
                 // small integers: their mean over identical replicas is exact in f32
                 let mine = [step as f32, (checksum % 65_536) as f32];
                 let probe = Tensor::from_data(TensorData::new(mine.to_vec(), [2]), &self.device);
@@ -281,18 +296,18 @@ impl<B: SsdBackend> Replica<B> {
                 Ok(Reply::Done)
             }
             Command::AverageBnStats => {
-                let model = self.model.valid();
+                let model = self.model().valid();
                 let flat = bn_stats_flat(&model);
                 let mean = self
                     .sync
                     .all_reduce_mean(self.index, vec![flat])?
                     .pop()
                     .ok_or("the exchange returned nothing")?;
-                set_bn_stats_flat(&self.model, Tensor::from_inner(mean));
+                set_bn_stats_flat(self.model(), Tensor::from_inner(mean));
                 Ok(Reply::Done)
             }
             Command::Snapshot => {
-                let model = self.model.valid();
+                let model = self.model().valid();
                 Ok(Reply::Snapshot {
                     weights: weights_to_bytes(&model),
                     optimizer: Recorder_::default()
@@ -531,7 +546,7 @@ pub fn train<B: SsdBackend>(
         let replica = Replica {
             index: i,
             device: device.clone(),
-            model,
+            model: Some(model),
             optim,
             ema,
             config: shared_config.clone(),

@@ -228,15 +228,22 @@ impl SsdBackend for Flex {
         if !all_f32(&[&state.weights, &state.mean_square, &state.momentum, &grad]) {
             return reference::rmsprop_update::<Self>(state, grad, step);
         }
-        let shape = grad.shape();
-        let [w, ms, mom, grad] =
-            [state.weights, state.mean_square, state.momentum, grad].map(|t| contiguous(&t));
-        let [w, ms, mom] =
-            cpu::rmsprop_update([values(&w), values(&ms), values(&mom)], values(&grad), step);
+        let grad = contiguous(&grad);
+        let [mut w, mut ms, mut mom] =
+            [state.weights, state.mean_square, state.momentum].map(writable);
+        cpu::rmsprop_update_in_place(
+            [
+                w.storage_mut::<f32>(),
+                ms.storage_mut::<f32>(),
+                mom.storage_mut::<f32>(),
+            ],
+            values(&grad),
+            step,
+        );
         RmsPropState {
-            weights: output(w, shape.clone()),
-            mean_square: output(ms, shape.clone()),
-            momentum: output(mom, shape),
+            weights: w,
+            mean_square: ms,
+            momentum: mom,
         }
     }
 
@@ -248,12 +255,10 @@ impl SsdBackend for Flex {
         if !all_f32(&[&average, &value]) {
             return reference::moving_average::<Self>(average, value, keep);
         }
-        let shape = average.shape();
-        let (average, value) = (contiguous(&average), contiguous(&value));
-        output(
-            cpu::moving_average(values(&average), values(&value), keep),
-            shape,
-        )
+        let value = contiguous(&value);
+        let mut average = writable(average);
+        cpu::moving_average_in_place(average.storage_mut::<f32>(), values(&value), keep);
+        average
     }
 
     fn add_scaled(x: FloatTensor<Self>, y: FloatTensor<Self>, alpha: f32) -> FloatTensor<Self> {

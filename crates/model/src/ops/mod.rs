@@ -185,7 +185,8 @@ pub trait SsdBackend: Backend {
 
     /// One RMSProp update as TF applies it: `ms <- decay ms + (1 - decay) g^2`,
     /// `mom <- momentum mom + lr g / sqrt(ms + epsilon)`, `w <- w - mom`, all in `f32`
-    /// (one pass over the four tensors on the CPU instead of ten).
+    /// (one pass over the four tensors on the CPU instead of ten, writing into the weights'
+    /// and slots' own buffers where nothing else holds them).
     fn rmsprop_update(
         state: RmsPropState<Self>,
         grad: FloatTensor<Self>,
@@ -195,7 +196,8 @@ pub trait SsdBackend: Backend {
     }
 
     /// One step of an exponential moving average, `average - (1 - keep) (average - value)`
-    /// (`tf.train.ExponentialMovingAverage`'s update), in `f32`.
+    /// (`tf.train.ExponentialMovingAverage`'s update), in `f32` (on the CPU into `average`'s
+    /// buffer where nothing else holds it).
     fn moving_average(
         average: FloatTensor<Self>,
         value: FloatTensor<Self>,

@@ -365,7 +365,8 @@ fn compute_blocks_run_on_a_pool_thread() {
 }
 
 /// The fused CPU updates against the reference's tensor operations, over more values than
-/// one parallel chunk holds.
+/// one parallel chunk holds: into new buffers where the inputs are also held elsewhere (which
+/// keep their values), in place where nothing else holds them.
 #[test]
 fn rmsprop_and_moving_average_match_the_reference() {
     use super::{RmsPropState, RmsPropStep, moving_average, rmsprop_update};
@@ -382,7 +383,11 @@ fn rmsprop_and_moving_average_match_the_reference() {
         decay: 0.9,
         epsilon: 1.0,
     };
-    let got = rmsprop_update([w.clone(), ms.clone(), mom.clone()], g.clone(), step);
+    let inputs = [w.clone(), ms.clone(), mom.clone()];
+    let before = inputs.clone().map(values);
+    let shared = rmsprop_update(inputs.clone(), g.clone(), step);
+    // the same values in buffers nobody else holds
+    let own = rmsprop_update(inputs.clone().map(|t| t * 1.0), g.clone(), step);
     let state = RmsPropState {
         weights: prim(w.clone()),
         mean_square: prim(ms),
@@ -390,21 +395,29 @@ fn rmsprop_and_moving_average_match_the_reference() {
     };
     let want = reference::rmsprop_update::<Flex>(state, prim(g), step);
     let want = [want.weights, want.mean_square, want.momentum].map(tensor::<Flex, 4>);
-    for (name, (got, want)) in ["weights", "mean square", "momentum"]
-        .iter()
-        .zip(got.into_iter().zip(want))
-    {
-        assert_eq!(got.dims(), shape);
-        assert_close(name, values(got), values(want), 1e-6);
+    for (i, name) in ["weights", "mean square", "momentum"].iter().enumerate() {
+        for got in [&shared[i], &own[i]] {
+            assert_eq!(got.dims(), shape);
+            assert_close(name, values(got.clone()), values(want[i].clone()), 1e-6);
+        }
+        assert_eq!(
+            values(inputs[i].clone()),
+            before[i],
+            "{name}: the shared input changed"
+        );
     }
     let value = random(shape, 5);
-    let got = moving_average(w.clone(), value.clone(), 0.99);
-    let want = tensor::<Flex, 4>(reference::moving_average::<Flex>(
-        prim(w),
-        prim(value),
+    let want = values(tensor::<Flex, 4>(reference::moving_average::<Flex>(
+        prim(w.clone()),
+        prim(value.clone()),
         0.99,
-    ));
-    assert_close("moving average", values(got), values(want), 1e-6);
+    )));
+    let before = values(w.clone());
+    let shared = moving_average(w.clone(), value.clone(), 0.99);
+    assert_close("moving average", values(shared), want.clone(), 1e-6);
+    assert_eq!(values(w.clone()), before, "the shared average changed");
+    let own = moving_average(w * 1.0, value, 0.99);
+    assert_close("moving average in place", values(own), want, 1e-6);
 }
 
 #[test]
