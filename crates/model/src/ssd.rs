@@ -15,7 +15,7 @@ use crate::config::SsdConfig;
 use crate::error::Result;
 use crate::layers::{BatchNorm, ConvBnRelu6, ConvSpec, apply_conv};
 use crate::mobilenet::{MobileNetV1, SEPARABLE_BLOCKS};
-use crate::ops::SsdBackend;
+use crate::ops::{SsdBackend, channels_last};
 
 /// Nominal depths of the four extra feature maps (`layer_depth` of the feature map layout).
 pub const EXTRA_LAYER_DEPTHS: [usize; 4] = [512, 256, 256, 128];
@@ -146,9 +146,9 @@ impl SsdConfig {
 }
 
 /// `[batch, a * k, h, w]` (NCHW) to `[batch, h * w * a, k]`, the API's NHWC flattening.
-fn flatten_head<B: Backend>(x: Tensor<B, 4>, k: usize) -> Tensor<B, 3> {
+fn flatten_head<B: SsdBackend>(x: Tensor<B, 4>, k: usize) -> Tensor<B, 3> {
     let [b, c, h, w] = x.dims();
-    x.permute([0, 2, 3, 1]).reshape([b, h * w * (c / k), k])
+    channels_last(x).reshape([b, h * w * (c / k), k])
 }
 
 impl<B: SsdBackend> Ssd<B> {

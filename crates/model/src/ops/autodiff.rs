@@ -94,6 +94,22 @@ impl<B: SsdBackend> Backward<B, 1> for SigmoidCrossEntropy {
     }
 }
 
+/// An NCHW to NHWC reordering; its backward pass reorders the gradient back.
+#[derive(Debug)]
+struct ChannelsLast;
+
+impl<B: SsdBackend> Backward<B, 1> for ChannelsLast {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(node) = parent {
+            grads.register::<B>(node.id, B::channels_first(grad));
+        }
+    }
+}
+
 impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
     fn on_compute_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         B::on_compute_thread(f)
@@ -112,6 +128,14 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
             OpsKind::Tracked(prep) => prep.finish((logits.primitive, labels.primitive), out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
+    }
+
+    fn channels_last(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let out = B::channels_last(x.primitive);
+        ChannelsLast
+            .prepare::<C>([x.node])
+            .compute_bound()
+            .stateless(out)
     }
 
     fn conv_same(

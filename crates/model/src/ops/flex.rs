@@ -271,6 +271,26 @@ impl SsdBackend for Flex {
         x
     }
 
+    fn channels_last(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 {
+            return reference::channels_last::<Self>(x);
+        }
+        let [batch, channels, h, w] = x.shape().dims();
+        let x = contiguous(&x);
+        let y = cpu::batched_transpose(values(&x), [batch, channels, h * w]);
+        output(y, [batch, h, w, channels])
+    }
+
+    fn channels_first(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 {
+            return reference::channels_first::<Self>(x);
+        }
+        let [batch, h, w, channels] = x.shape().dims();
+        let x = contiguous(&x);
+        let y = cpu::batched_transpose(values(&x), [batch, h * w, channels]);
+        output(y, [batch, channels, h, w])
+    }
+
     fn affine_relu6(
         x: FloatTensor<Self>,
         scale: FloatTensor<Self>,

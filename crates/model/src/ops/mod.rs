@@ -141,6 +141,18 @@ pub trait SsdBackend: Backend {
         reference::batch_norm_relu6_backward::<Self>(x, grad, gamma, beta, mean, variance, epsilon)
     }
 
+    /// `[batch, channels, height, width]` reordered to `[batch, height, width, channels]`
+    /// (the API's NHWC order of the predictor heads' outputs), its values in that order.
+    fn channels_last(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::channels_last::<Self>(x)
+    }
+
+    /// The inverse of [`SsdBackend::channels_last`] (its backward pass):
+    /// `[batch, height, width, channels]` to `[batch, channels, height, width]`.
+    fn channels_first(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::channels_first::<Self>(x)
+    }
+
     /// `clamp(x * scale[c] + shift[c], 0, 6)`: inference-mode BatchNorm folded into a
     /// per-channel affine map, then ReLU6.
     fn affine_relu6(
@@ -263,6 +275,11 @@ pub fn sigmoid_cross_entropy<B: SsdBackend>(
     labels: Tensor<B, 3>,
 ) -> Tensor<B, 2> {
     tensor(B::sigmoid_cross_entropy(prim(logits), prim(labels)))
+}
+
+/// [`SsdBackend::channels_last`] on tensors.
+pub fn channels_last<B: SsdBackend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    tensor(B::channels_last(prim(x)))
 }
 
 /// [`SsdBackend::affine_relu6`] on tensors.

@@ -189,6 +189,14 @@ pub fn sigmoid_cross_entropy_backward<B: Backend>(
     prim((burn::tensor::activation::sigmoid(x) - z) * grad)
 }
 
+pub fn channels_last<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    prim(tensor::<B, 4>(x).permute([0, 2, 3, 1]))
+}
+
+pub fn channels_first<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    prim(tensor::<B, 4>(x).permute([0, 3, 1, 2]))
+}
+
 pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(flat::<B>(x).square().sum().mul_scalar(0.5))
 }

@@ -5,8 +5,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Distribution, Tensor};
 
 use super::{
-    ConvGradsWanted, SsdBackend, add_scaled, affine_relu6, batch_norm_relu6, conv_same,
-    half_squared_norm, prim, reference, sigmoid_cross_entropy, tensor,
+    ConvGradsWanted, SsdBackend, add_scaled, affine_relu6, batch_norm_relu6, channels_last,
+    conv_same, half_squared_norm, prim, reference, sigmoid_cross_entropy, tensor,
 };
 
 type A = Autodiff<Flex>;
@@ -319,6 +319,42 @@ fn add_scaled_matches_reference_and_leaves_shared_buffers_alone() {
         // a buffer held by nobody else (the case of a gradient) is written in place
         let own = x.clone() * 1.0;
         assert_close(&what, values(add_scaled(own, y, 0.25)), want, 1e-6);
+    }
+}
+
+/// The NHWC reordering of the head outputs: values against Burn's permutation, the gradient
+/// through `Autodiff` against Burn's differentiation of it, for planes wider than a tile.
+#[test]
+fn channels_last_matches_reference_values_and_gradients() {
+    for (i, shape) in [[2, 5, 3, 4], [3, 70, 6, 7], [1, 33, 1, 40]]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 60 + 3 * i as u64;
+        let x = random(shape, seed);
+        let want = tensor::<Flex, 4>(reference::channels_last::<Flex>(prim(x.clone())));
+        let got = channels_last(x.clone());
+        assert_eq!(got.dims(), want.dims());
+        assert_eq!(values(got.clone()), values(want), "{shape:?}: values");
+        let back = tensor::<Flex, 4>(Flex::channels_first(prim(got)));
+        assert_eq!(
+            values(back),
+            values(x.clone()),
+            "{shape:?}: channels_first inverts it"
+        );
+        let [b, c, h, w] = shape;
+        let upstream = random([b, h, w, c], seed + 1);
+        let grad = |custom: bool| {
+            let xa = Tensor::<A, 4>::from_inner(x.clone()).require_grad();
+            let y = if custom {
+                channels_last(xa.clone())
+            } else {
+                xa.clone().permute([0, 2, 3, 1])
+            };
+            let g = (y * Tensor::from_inner(upstream.clone())).sum().backward();
+            values(xa.grad(&g).expect("input grad"))
+        };
+        assert_eq!(grad(true), grad(false), "{shape:?}: gradient");
     }
 }
 
