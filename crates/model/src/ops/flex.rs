@@ -44,6 +44,20 @@ fn output(values: Vec<f32>, shape: impl Into<Shape>) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape.into()))
 }
 
+/// Each image of `x`, read as a `rows x cols` matrix (`[batch, rows, cols]`), transposed,
+/// as a tensor of `shape`.
+fn transposed_images(
+    x: &FlexTensor,
+    [batch, rows, cols]: [usize; 3],
+    shape: [usize; 4],
+) -> FlexTensor {
+    let x = contiguous(x);
+    output(
+        cpu::batched_transpose(values(&x), [batch, rows, cols]),
+        shape,
+    )
+}
+
 fn all_f32(tensors: &[&FlexTensor]) -> bool {
     tensors.iter().all(|t| t.dtype() == DType::F32)
 }
@@ -276,9 +290,7 @@ impl SsdBackend for Flex {
             return reference::channels_last::<Self>(x);
         }
         let [batch, channels, h, w] = x.shape().dims();
-        let x = contiguous(&x);
-        let y = cpu::batched_transpose(values(&x), [batch, channels, h * w]);
-        output(y, [batch, h, w, channels])
+        transposed_images(&x, [batch, channels, h * w], [batch, h, w, channels])
     }
 
     fn channels_first(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -286,9 +298,7 @@ impl SsdBackend for Flex {
             return reference::channels_first::<Self>(x);
         }
         let [batch, h, w, channels] = x.shape().dims();
-        let x = contiguous(&x);
-        let y = cpu::batched_transpose(values(&x), [batch, h * w, channels]);
-        output(y, [batch, channels, h, w])
+        transposed_images(&x, [batch, h * w, channels], [batch, channels, h, w])
     }
 
     fn affine_relu6(
