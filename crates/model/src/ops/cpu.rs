@@ -461,7 +461,7 @@ pub fn batched_transpose(x: &[f32], [batch, rows, cols]: [usize; 3]) -> Vec<f32>
 }
 
 /// Lanes of the vectorised reductions below.
-const LANES: usize = 8;
+const LANES: usize = 32;
 
 /// `sum(a[i] * b[i])` with independent lane accumulators (so the compiler vectorises it).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -575,33 +575,44 @@ impl Padded {
         }
     }
 
-    /// Reads the plane back out of `buf` (the adjoint of [`Padded::fill`]) into a zeroed
-    /// `plane`: input places the padded plane does not hold keep their zeros.
-    fn extract(&self, buf: &[f32], plane: &mut [f32]) {
+    /// Whether the padded plane holds every place of a `height x width` input (true of every
+    /// SAME convolution whose kernel is larger than its stride).
+    fn holds_every_input(&self, height: usize) -> bool {
+        height + self.pad_top <= self.rows && self.width + self.pad_left <= self.run * self.stride
+    }
+
+    /// Reads the plane back out of `buf` (the adjoint of [`Padded::fill`]), writing every
+    /// input place the padded plane holds: with [`Padded::holds_every_input`] all of `plane`,
+    /// else the caller zero-fills it first.
+    fn extract(&self, buf: &[f32], plane: &mut [MaybeUninit<f32>]) {
         let phases = self.column_phases();
         for (iy, r) in self.input_rows(plane.len() / self.width) {
             let row = &mut plane[iy * self.width..][..self.width];
             let run = |ix0: usize, count: usize| &buf[self.at(r, ix0 + self.pad_left)..][..count];
             match (self.stride, phases.as_slice()) {
-                (1, &[(ix0, count)]) => row[ix0..][..count].copy_from_slice(run(ix0, count)),
+                (1, &[(ix0, count)]) => {
+                    for (d, &v) in row[ix0..][..count].iter_mut().zip(run(ix0, count)) {
+                        d.write(v);
+                    }
+                }
                 // both phases of each pair of columns at once: vector shuffles
                 (2, &[(0, even), (1, odd)]) => {
                     let (even, odd) = (run(0, even), run(1, odd));
                     let pairs = row.chunks_exact_mut(2);
                     for ((pair, &e), &o) in pairs.zip(even).zip(odd) {
-                        pair[0] = e;
-                        pair[1] = o;
+                        pair[0].write(e);
+                        pair[1].write(o);
                     }
                     // an even column without its odd partner
                     if even.len() > odd.len() {
-                        row[2 * odd.len()] = even[odd.len()];
+                        row[2 * odd.len()].write(even[odd.len()]);
                     }
                 }
                 _ => {
                     for &(ix0, count) in &phases {
                         let src = run(ix0, count);
                         for (d, &v) in row[ix0..].iter_mut().step_by(self.stride).zip(src) {
-                            *d = v;
+                            d.write(v);
                         }
                     }
                 }
@@ -727,7 +738,7 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
     // zeros before each block's gradient: the gather reads it shifted back by up to two rows
     // and two columns
     let margin = if gather { 2 * padded.run + 2 } else { 0 };
-    // zeroed plane by plane, in cache, right before being written
+    // written plane by plane below
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     // per-plane filter gradients, summed over the batch below
     let mut partial = vec![0.0f32; g.batch * c * kk];
@@ -741,8 +752,13 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                 let grad = &dy[p * g.out_plane()..][..g.out_plane()];
                 let filter = &weight[(p % c) * kk..][..kk];
                 padded.fill(&x[p * g.in_plane()..][..g.in_plane()], xs);
-                dxs.clear();
-                dxs.resize(padded.len(), 0.0);
+                if gather {
+                    // every value is written by the first block that reaches it
+                    dxs.resize(padded.len(), 0.0);
+                } else {
+                    dxs.clear();
+                    dxs.resize(padded.len(), 0.0);
+                }
                 for &(oy, rows) in &blocks {
                     block_grad.fill(&padded, grad, (oy, rows));
                     let flat = block_grad.values();
@@ -750,12 +766,16 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                         *d += dot(flat, tap);
                     }
                     if gather {
-                        // input rows oy .. oy + rows + 2 of the padded plane
+                        // padded rows oy .. oy + rows + 2, of which the previous block wrote
+                        // the first two: those are added to, the rest written
                         let out = &mut dxs[padded.tap(oy, 0, 0)..][..(rows + 2) * padded.run];
-                        let taps = std::array::from_fn(|t| {
+                        let taps: [&[f32]; 9] = std::array::from_fn(|t| {
                             block_grad.shifted((t / 3) * padded.run + t % 3, out.len())
                         });
-                        row3x3::<true>(out, taps, filter);
+                        let seen = if oy == 0 { 0 } else { 2 * padded.run };
+                        let (overlap, fresh) = out.split_at_mut(seen);
+                        row3x3::<true>(overlap, taps, filter);
+                        row3x3::<false>(fresh, taps.map(|t| &t[seen..]), filter);
                     } else {
                         for (t, &w) in filter.iter().enumerate() {
                             let start = padded.tap(oy, t / g.kernel, t % g.kernel);
@@ -763,10 +783,14 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                         }
                     }
                 }
-                padded.extract(dxs, zero_filled(dplane));
+                if !padded.holds_every_input(g.height) {
+                    zero_filled(dplane);
+                }
+                padded.extract(dxs, dplane);
             },
         );
-    // SAFETY: every plane of `dx` was zero-filled above.
+    // SAFETY: every place of every plane of `dx` was written above, by `extract` or by the
+    // zero fill before it.
     unsafe { dx.set_len(x.len()) };
     let mut dw = vec![0.0f32; weight.len()];
     for image in partial.chunks(c * kk) {
