@@ -656,18 +656,43 @@ impl Padded {
     }
 }
 
-/// `out[i] = sum_t w[t] * taps[t][i]` for a 3x3 filter, in one pass over the row; with
+/// `out[i] = sum_t w[t] * taps[t][i]` over `N` taps, in one pass over the row; with
 /// `ACCUMULATE`, `out[i] += ...`.
-fn row3x3<const ACCUMULATE: bool>(out: &mut [f32], taps: [&[f32]; 9], w: &[f32]) {
+fn weighted_sum<const N: usize, const ACCUMULATE: bool>(
+    out: &mut [f32],
+    taps: [&[f32]; N],
+    w: [f32; N],
+) {
     let n = out.len();
     let t = taps.map(|t| &t[..n]);
     for i in 0..n {
         let mut acc = t[0][i] * w[0];
-        for k in 1..9 {
+        for k in 1..N {
             acc = t[k][i].mul_add(w[k], acc);
         }
         out[i] = if ACCUMULATE { out[i] + acc } else { acc };
     }
+}
+
+/// The input gradient of one block for the filter taps `(ky, kx)` that reach one phase plane
+/// of the padded layout, gathered from the block's output gradient: `out` holds that plane's
+/// rows from the block's first on; tap `(ky, kx)` adds `w * grad` shifted by `ky / stride`
+/// rows and `kx / stride` columns. The first `seen` values, which the previous block already
+/// wrote, are added to; the rest are written.
+fn gather_phase<const N: usize>(
+    out: &mut [f32],
+    seen: usize,
+    grad: &BlockGrad,
+    (padded, filter): (&Padded, &[f32]),
+    taps: [(usize, usize); N],
+) {
+    let stride = padded.stride;
+    let n = out.len();
+    let runs = taps.map(|(ky, kx)| grad.shifted((ky / stride) * padded.run + kx / stride, n));
+    let w = taps.map(|(ky, kx)| filter[ky * padded.kernel + kx]);
+    let (overlap, fresh) = out.split_at_mut(seen);
+    weighted_sum::<N, true>(overlap, runs, w);
+    weighted_sum::<N, false>(fresh, runs.map(|r| &r[seen..]), w);
 }
 
 /// The taps of a block as an array (3x3 filters).
@@ -698,7 +723,8 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
                     // every value is written below
                     flat.resize(padded.block_len(rows), 0.0);
                     if kk == 9 {
-                        row3x3::<false>(flat, taps3x3(&padded, buf, (oy, rows)), filter);
+                        let w = std::array::from_fn(|t| filter[t]);
+                        weighted_sum::<9, false>(flat, taps3x3(&padded, buf, (oy, rows)), w);
                     } else {
                         flat.fill(0.0);
                         for (tap, &w) in padded.taps(buf, (oy, rows)).zip(filter) {
@@ -734,10 +760,15 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
     let kk = g.kernel * g.kernel;
     let padded = Padded::new(g);
     let blocks = padded.blocks(g.out_height);
-    let gather = kk == 9 && g.stride == 1;
-    // zeros before each block's gradient: the gather reads it shifted back by up to two rows
-    // and two columns
-    let margin = if gather { 2 * padded.run + 2 } else { 0 };
+    let gather = kk == 9 && g.stride <= 2;
+    // zeros before each block's gradient: the gather reads it shifted back by up to
+    // `(kernel - 1) / stride` rows and columns
+    let reach = (g.kernel - 1) / g.stride;
+    let margin = if gather {
+        reach * padded.run + reach
+    } else {
+        0
+    };
     // written plane by plane below
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     // per-plane filter gradients, summed over the batch below
@@ -766,16 +797,27 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                         *d += dot(flat, tap);
                     }
                     if gather {
-                        // padded rows oy .. oy + rows + 2, of which the previous block wrote
-                        // the first two: those are added to, the rest written
-                        let out = &mut dxs[padded.tap(oy, 0, 0)..][..(rows + 2) * padded.run];
-                        let taps: [&[f32]; 9] = std::array::from_fn(|t| {
-                            block_grad.shifted((t / 3) * padded.run + t % 3, out.len())
-                        });
-                        let seen = if oy == 0 { 0 } else { 2 * padded.run };
-                        let (overlap, fresh) = out.split_at_mut(seen);
-                        row3x3::<true>(overlap, taps, filter);
-                        row3x3::<false>(fresh, taps.map(|t| &t[seen..]), filter);
+                        // rows oy .. of each phase plane: the block reaches `reach` rows past
+                        // its own, which the next block adds to
+                        let n = (rows + reach) * padded.run;
+                        let seen = if oy == 0 { 0 } else { reach * padded.run };
+                        let at = |py: usize, px: usize| padded.tap(oy, py, px);
+                        let with = (&padded, filter);
+                        if g.stride == 1 {
+                            let out = &mut dxs[at(0, 0)..][..n];
+                            let taps = std::array::from_fn(|t| (t / 3, t % 3));
+                            gather_phase::<9>(out, seen, block_grad, with, taps);
+                        } else {
+                            let out = &mut dxs[at(0, 0)..][..n];
+                            let taps = [(0, 0), (0, 2), (2, 0), (2, 2)];
+                            gather_phase::<4>(out, seen, block_grad, with, taps);
+                            let out = &mut dxs[at(0, 1)..][..n];
+                            gather_phase::<2>(out, seen, block_grad, with, [(0, 1), (2, 1)]);
+                            let out = &mut dxs[at(1, 0)..][..n];
+                            gather_phase::<2>(out, seen, block_grad, with, [(1, 0), (1, 2)]);
+                            let out = &mut dxs[at(1, 1)..][..n];
+                            gather_phase::<1>(out, seen, block_grad, with, [(1, 1)]);
+                        }
                     } else {
                         for (t, &w) in filter.iter().enumerate() {
                             let start = padded.tap(oy, t / g.kernel, t % g.kernel);
