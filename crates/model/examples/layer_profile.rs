@@ -1,8 +1,10 @@
 //! Time of each CPU kernel at the network's layer shapes (the default config: 300x300,
 //! depth 1, 37 classes; batch 8): convolution forward / backward and BatchNorm + ReLU6
 //! forward / backward, in ms, mean of 3 runs after one warm-up, for the backbone, the extra
-//! feature layers and the predictor heads (which have a bias and no BatchNorm). Where a
-//! training step's time goes, layer by layer:
+//! feature layers and the predictor heads (which have a bias and no BatchNorm), then the
+//! totals (with the depthwise layers' share) and the classification loss (sigmoid
+//! cross-entropy over every anchor's logits). Where a training step's time goes, layer by
+//! layer:
 //!
 //! `cargo run --release -p model --example layer_profile [-- BATCH]`
 
@@ -82,6 +84,8 @@ fn main() {
         .and_then(|a| a.parse().ok())
         .unwrap_or(8);
     let mut totals = [0.0f64; 4];
+    // the depthwise layers' share of the convolution totals
+    let mut depthwise_totals = [0.0f64; 2];
     for (i, (cin, cout, size, stride, kind)) in network().into_iter().enumerate() {
         // the first layer's input is the images: no input gradient
         let with_dx = i > 0;
@@ -111,6 +115,10 @@ fn main() {
         let y = forward();
         let conv_fwd = mean_ms(|| drop(forward()));
         let conv_bwd = mean_ms(|| conv_backward(&y));
+        if depthwise {
+            depthwise_totals[0] += conv_fwd;
+            depthwise_totals[1] += conv_bwd;
+        }
         let plane = g.out_height * g.out_width;
         if kind == Kind::Head {
             let bias = vec![0.1f32; cout];
@@ -153,7 +161,40 @@ fn main() {
         );
     }
     println!(
-        "total (ms): conv fwd {:.0}, conv bwd {:.0}, bn+relu6 fwd {:.0}, bn+relu6 bwd {:.0}",
-        totals[0], totals[1], totals[2], totals[3]
+        "total (ms): conv fwd {:.0}, conv bwd {:.0} (depthwise {:.1} / {:.1}), bn+relu6 fwd {:.0}, bn+relu6 bwd {:.0}",
+        totals[0], totals[1], depthwise_totals[0], depthwise_totals[1], totals[2], totals[3]
+    );
+    classification_loss(batch, config_anchors());
+}
+
+/// Anchors of the default config.
+fn config_anchors() -> usize {
+    let config = SsdConfig::default();
+    let shapes = feature_map_shapes(&config);
+    shapes
+        .iter()
+        .zip(config.anchors.box_specs())
+        .map(|(&(h, w), specs)| h * w * specs.len())
+        .sum()
+}
+
+/// The classification loss of the default config: sigmoid cross-entropy over every anchor's
+/// class logits (background included), forward and backward.
+fn classification_loss(batch: usize, anchors: usize) {
+    let classes = SsdConfig::default().num_classes + 1;
+    let n = batch * anchors * classes;
+    let logits: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 2000) as f32 / 100.0 - 10.0)
+        .collect();
+    let labels: Vec<f32> = (0..n).map(|i| f32::from(i % 37 == 0)).collect();
+    let grad = vec![1.0f32; batch * anchors];
+    let fwd = mean_ms(|| drop(cpu::sigmoid_cross_entropy(&logits, &labels, classes)));
+    let bwd = mean_ms(|| {
+        drop(cpu::sigmoid_cross_entropy_backward(
+            &logits, &labels, &grad, classes,
+        ))
+    });
+    println!(
+        "classification loss ({batch} x {anchors} anchors x {classes} classes): fwd {fwd:.2} bwd {bwd:.2}"
     );
 }

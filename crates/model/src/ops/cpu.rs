@@ -460,27 +460,38 @@ pub fn batched_transpose(x: &[f32], [batch, rows, cols]: [usize; 3]) -> Vec<f32>
     t
 }
 
-/// Lanes of the vectorised reductions below.
-const LANES: usize = 32;
+/// Below this many values [`dot`] uses one vector of lanes: the 31 additions that sum four
+/// vectors' lanes cost more than they save on short runs (the 10x10 planes' 118 values).
+const WIDE_DOT_MIN: usize = 256;
 
-/// `sum(a[i] * b[i])` with independent lane accumulators (so the compiler vectorises it).
+/// `sum(a[i] * b[i])` with independent lane accumulators, so that the compiler vectorises
+/// it: four vectors of 8 lanes over the bulk of a long run (one vector is one chain of
+/// dependent additions, a quarter of the speed), one vector over the rest, then single
+/// values.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
+    let narrow = if n >= WIDE_DOT_MIN { n / 32 * 32 } else { 0 };
+    let wide = lane_dot::<32>(&a[..narrow], &b[..narrow]);
+    let single = n / 8 * 8;
+    let rest = lane_dot::<8>(&a[narrow..single], &b[narrow..single]);
+    let tail: f32 = a[single..]
         .iter()
-        .zip(cb.remainder())
+        .zip(&b[single..])
         .map(|(x, y)| x * y)
         .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..LANES {
+    wide + rest + tail
+}
+
+/// `sum(a[i] * b[i])` over the first `len / L * L` values, in `L` lane accumulators.
+fn lane_dot<const L: usize>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; L];
+    for (x, y) in a.chunks_exact(L).zip(b.chunks_exact(L)) {
+        for i in 0..L {
             acc[i] += x[i] * y[i];
         }
     }
-    acc.iter().sum::<f32>() + tail
+    acc.iter().sum()
 }
 
 /// `dst[i] += w * src[i]`.
@@ -752,9 +763,10 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
 /// Block by block, the output gradient is copied into a buffer laid out like the block's
 /// runs (zeros between rows), [`BlockGrad`]; the filter gradient is its dot product with
 /// each tap's run. The input gradient is that buffer spread back through the filter: for a
-/// 3x3 stride-1 filter in one pass that gathers the nine shifted copies (the buffer has zero
-/// margins for them; it writes each input value once instead of nine times, 10-16% less
-/// time for the network's stride-1 layers at batch 8), else one `axpy` per tap.
+/// 3x3 filter of stride 1 or 2 by gathering, per phase plane of the padded layout, the
+/// shifted copies of the taps that reach it ([`gather_phase`]; the buffer has zero margins
+/// for them), which writes each input value once instead of adding to it once per tap, so
+/// the padded gradient needs no zeroing; else one `axpy` per tap into a zeroed buffer.
 pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let c = g.in_channels;
     let kk = g.kernel * g.kernel;
@@ -902,7 +914,7 @@ pub fn add_scaled_in_place(x: &mut [f32], y: &[f32], alpha: f32) {
         .for_each(|(x, y)| axpy(x, alpha, y));
 }
 
-/// Lanes of the BatchNorm statistics sums. At 8 lanes, as [`dot`] has, the compiler left
+/// Lanes of the BatchNorm statistics sums. At 8 lanes (one vector) the compiler left
 /// these two-accumulator loops scalar: a channel's sums at 64 x 150 x 150, batch 8, took
 /// 5.7 ms on two cores; at 32 lanes 1.3 ms (at 16 no faster than 8).
 const STATISTICS_LANES: usize = 32;
