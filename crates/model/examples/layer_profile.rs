@@ -14,7 +14,7 @@ use model::box_coder::BoxCoder;
 use model::config::SsdConfig;
 use model::mobilenet::SEPARABLE_BLOCKS;
 use model::ops::cpu::{self, Conv};
-use model::ssd::{EXTRA_LAYER_DEPTHS, feature_map_shapes};
+use model::ssd::{EXTRA_LAYER_DEPTHS, anchors, feature_map_shapes};
 
 fn mean_ms(mut f: impl FnMut()) -> f64 {
     f();
@@ -164,18 +164,7 @@ fn main() {
         "total (ms): conv fwd {:.0}, conv bwd {:.0} (depthwise {:.1} / {:.1}), bn+relu6 fwd {:.0}, bn+relu6 bwd {:.0}",
         totals[0], totals[1], depthwise_totals[0], depthwise_totals[1], totals[2], totals[3]
     );
-    classification_loss(batch, config_anchors());
-}
-
-/// Anchors of the default config.
-fn config_anchors() -> usize {
-    let config = SsdConfig::default();
-    let shapes = feature_map_shapes(&config);
-    shapes
-        .iter()
-        .zip(config.anchors.box_specs())
-        .map(|(&(h, w), specs)| h * w * specs.len())
-        .sum()
+    classification_loss(batch, anchors(&SsdConfig::default()).len());
 }
 
 /// The classification loss of the default config: sigmoid cross-entropy over every anchor's

@@ -781,7 +781,8 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
     } else {
         0
     };
-    // written plane by plane below
+    // written plane by plane below, zero-filled first only where `extract` leaves places
+    let extract_writes_all = padded.holds_every_input(g.height);
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     // per-plane filter gradients, summed over the batch below
     let mut partial = vec![0.0f32; g.batch * c * kk];
@@ -795,13 +796,12 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                 let grad = &dy[p * g.out_plane()..][..g.out_plane()];
                 let filter = &weight[(p % c) * kk..][..kk];
                 padded.fill(&x[p * g.in_plane()..][..g.in_plane()], xs);
-                if gather {
-                    // every value is written by the first block that reaches it
-                    dxs.resize(padded.len(), 0.0);
-                } else {
+                // the gather writes every value the first time a block reaches it; the
+                // `axpy`s add to zeros
+                if !gather {
                     dxs.clear();
-                    dxs.resize(padded.len(), 0.0);
                 }
+                dxs.resize(padded.len(), 0.0);
                 for &(oy, rows) in &blocks {
                     block_grad.fill(&padded, grad, (oy, rows));
                     let flat = block_grad.values();
@@ -837,7 +837,7 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
                         }
                     }
                 }
-                if !padded.holds_every_input(g.height) {
+                if !extract_writes_all {
                     zero_filled(dplane);
                 }
                 padded.extract(dxs, dplane);
@@ -992,8 +992,8 @@ fn exp_non_positive(y: f32) -> f32 {
     let y = y.clamp(-87.3, 0.0);
     let n = (y * std::f32::consts::LOG2_E).round_ties_even();
     let r = (y - n * LN2_HI) - n * LN2_LO;
-    let mut p: f32 = 1.0 / 5040.0;
-    for c in [
+    let taylor = [
+        1.0 / 5040.0,
         1.0 / 720.0,
         1.0 / 120.0,
         1.0 / 24.0,
@@ -1001,10 +1001,8 @@ fn exp_non_positive(y: f32) -> f32 {
         0.5,
         1.0,
         1.0,
-    ] {
-        p = p.mul_add(r, c);
-    }
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    ];
+    polynomial(r, taylor) * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 /// `ln(1 + e)` for `e` in `[0, 1]` without a library call: `2 atanh(s)` with
@@ -1012,9 +1010,8 @@ fn exp_non_positive(y: f32) -> f32 {
 /// loss for tiny `e`, where `1 + e` would round to 1).
 fn ln_1p_unit(e: f32) -> f32 {
     let s = e / (2.0 + e);
-    let s2 = s * s;
-    let mut p: f32 = 1.0 / 15.0;
-    for c in [
+    let odd = [
+        1.0 / 15.0,
         1.0 / 13.0,
         1.0 / 11.0,
         1.0 / 9.0,
@@ -1022,10 +1019,15 @@ fn ln_1p_unit(e: f32) -> f32 {
         1.0 / 5.0,
         1.0 / 3.0,
         1.0,
-    ] {
-        p = p.mul_add(s2, c);
-    }
-    2.0 * s * p
+    ];
+    2.0 * s * polynomial(s * s, odd)
+}
+
+/// `c[0] x^(N-1) + c[1] x^(N-2) + ... + c[N-1]` by Horner's rule (fused multiply-adds).
+fn polynomial<const N: usize>(x: f32, coefficients: [f32; N]) -> f32 {
+    coefficients[1..]
+        .iter()
+        .fold(coefficients[0], |p, &c| p.mul_add(x, c))
 }
 
 /// `sigmoid_cross_entropy_with_logits` of one logit `x` and label `z`:
