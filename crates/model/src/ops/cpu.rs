@@ -667,21 +667,32 @@ impl Padded {
     }
 }
 
-/// `out[i] = sum_t w[t] * taps[t][i]` over `N` taps, in one pass over the row; with
-/// `ACCUMULATE`, `out[i] += ...`.
-fn weighted_sum<const N: usize, const ACCUMULATE: bool>(
-    out: &mut [f32],
-    taps: [&[f32]; N],
-    w: [f32; N],
-) {
+/// `sum_t w[t] * taps[t][i]`, the taps in order by fused multiply-adds.
+#[inline(always)]
+fn tap_sum<const N: usize>(taps: &[&[f32]; N], w: &[f32; N], i: usize) -> f32 {
+    let mut acc = taps[0][i] * w[0];
+    for k in 1..N {
+        acc = taps[k][i].mul_add(w[k], acc);
+    }
+    acc
+}
+
+/// `out[i] = sum_t w[t] * taps[t][i]` over `N` taps, in one pass over the run (`out` may
+/// start uninitialised).
+fn weighted_sum<const N: usize>(out: &mut [MaybeUninit<f32>], taps: [&[f32]; N], w: [f32; N]) {
     let n = out.len();
     let t = taps.map(|t| &t[..n]);
-    for i in 0..n {
-        let mut acc = t[0][i] * w[0];
-        for k in 1..N {
-            acc = t[k][i].mul_add(w[k], acc);
-        }
-        out[i] = if ACCUMULATE { out[i] + acc } else { acc };
+    for (i, o) in out.iter_mut().enumerate() {
+        o.write(tap_sum(&t, &w, i));
+    }
+}
+
+/// `out[i] += sum_t w[t] * taps[t][i]` over `N` taps, in one pass over the run.
+fn add_weighted_sum<const N: usize>(out: &mut [f32], taps: [&[f32]; N], w: [f32; N]) {
+    let n = out.len();
+    let t = taps.map(|t| &t[..n]);
+    for (i, o) in out.iter_mut().enumerate() {
+        *o += tap_sum(&t, &w, i);
     }
 }
 
@@ -702,8 +713,8 @@ fn gather_phase<const N: usize>(
     let runs = taps.map(|(ky, kx)| grad.shifted((ky / stride) * padded.run + kx / stride, n));
     let w = taps.map(|(ky, kx)| filter[ky * padded.kernel + kx]);
     let (overlap, fresh) = out.split_at_mut(seen);
-    weighted_sum::<N, true>(overlap, runs, w);
-    weighted_sum::<N, false>(fresh, runs.map(|r| &r[seen..]), w);
+    add_weighted_sum::<N>(overlap, runs, w);
+    weighted_sum::<N>(as_uninit(fresh), runs.map(|r| &r[seen..]), w);
 }
 
 /// The taps of a block as an array (3x3 filters).
@@ -712,9 +723,181 @@ fn taps3x3<'a>(padded: &'a Padded, buf: &'a [f32], block: (usize, usize)) -> [&'
     std::array::from_fn(|_| taps.next().unwrap_or_default())
 }
 
+/// The narrowest plane that [`depthwise_forward`] and [`depthwise_backward`] run row by row
+/// straight from its source ([`is_direct`]): on wide rows that saves the copies into and out
+/// of the padded layout; on narrow rows the per-row edges and vector tails cost more.
+const DIRECT_MIN_WIDTH: usize = 64;
+
+/// Whether a depthwise convolution runs row by row from its source: a 3x3 filter at stride 1
+/// (SAME then pads one row and column on each side) over planes of two rows or more, at
+/// least [`DIRECT_MIN_WIDTH`] wide.
+fn is_direct(g: &Conv) -> bool {
+    g.kernel == 3
+        && g.stride == 1
+        && (g.pad_top, g.pad_left) == (1, 1)
+        && g.height >= 2
+        && g.width >= DIRECT_MIN_WIDTH
+}
+
+/// The kernel rows of a stride-1 3x3 SAME filter that read inside a plane of `height` rows
+/// at output row `oy`.
+fn kernel_rows_inside(oy: usize, height: usize) -> std::ops::Range<usize> {
+    usize::from(oy == 0)..if oy + 1 == height { 2 } else { 3 }
+}
+
+/// One plane of a stride-1 3x3 SAME correlation with the filter `f`, row by row from `src`
+/// (`height >= 2`, `width >= 3`): the inner values of an output row are one weighted sum of
+/// the 6 or 9 shifted source runs, the two edge values are summed apart.
+fn correlate3x3_plane(
+    src: &[f32],
+    [height, width]: [usize; 2],
+    f: &[f32; 9],
+    out: &mut [MaybeUninit<f32>],
+) {
+    let inner = width - 2;
+    // the runs kernel row `ky` reads for output row `oy`, by kernel column
+    let runs = |oy: usize, ky: usize| {
+        let r = &src[(oy + ky - 1) * width..][..width];
+        [&r[..inner], &r[1..][..inner], &r[2..][..inner]]
+    };
+    for (oy, o) in out.chunks_exact_mut(width).take(height).enumerate() {
+        let rows = kernel_rows_inside(oy, height);
+        let (mut left, mut right) = (0.0f32, 0.0f32);
+        for ky in rows.clone() {
+            let r = &src[(oy + ky - 1) * width..][..width];
+            let w = &f[ky * 3..][..3];
+            left += w[1] * r[0] + w[2] * r[1];
+            right += w[0] * r[width - 2] + w[1] * r[width - 1];
+        }
+        let (first, rest) = o.split_at_mut(1);
+        let (middle, last) = rest.split_at_mut(inner);
+        if rows.len() == 3 {
+            let [a, b, c] = [0, 1, 2].map(|ky| runs(oy, ky));
+            let taps = [a[0], a[1], a[2], b[0], b[1], b[2], c[0], c[1], c[2]];
+            weighted_sum::<9>(middle, taps, *f);
+        } else {
+            let [a, b] = [rows.start, rows.start + 1].map(|ky| runs(oy, ky));
+            let w = std::array::from_fn(|i| f[rows.start * 3 + i]);
+            weighted_sum::<6>(middle, [a[0], a[1], a[2], b[0], b[1], b[2]], w);
+        }
+        first[0].write(left);
+        last[0].write(right);
+    }
+}
+
+/// Lanes of [`filter_grad3x3_plane`]'s partial sums.
+const GRAD_LANES: usize = 8;
+
+/// `acc[k][l] += d[i] * x[i + k]` for `k < 3`, over the whole `GRAD_LANES`-chunks of `d`
+/// (`i = l` modulo `GRAD_LANES`), in one pass with three independent accumulators; returns
+/// the three sums over the values after the last whole chunk. `x` holds `d.len() + 2`
+/// values.
+fn shifted_dots3(acc: &mut [[f32; GRAD_LANES]; 3], d: &[f32], x: &[f32]) -> [f32; 3] {
+    let whole = d.len() / GRAD_LANES * GRAD_LANES;
+    let x = &x[..d.len() + 2];
+    // the accumulators as locals, so that they stay in vector registers
+    let [mut a0, mut a1, mut a2] = *acc;
+    let lanes = |v: &[f32]| -> [f32; GRAD_LANES] { std::array::from_fn(|l| v[l]) };
+    for (chunk, dv) in d[..whole].chunks_exact(GRAD_LANES).enumerate() {
+        let i = chunk * GRAD_LANES;
+        let dv = lanes(dv);
+        let [x0, x1, x2] = [0, 1, 2].map(|k| lanes(&x[i + k..][..GRAD_LANES]));
+        for l in 0..GRAD_LANES {
+            a0[l] = dv[l].mul_add(x0[l], a0[l]);
+            a1[l] = dv[l].mul_add(x1[l], a1[l]);
+            a2[l] = dv[l].mul_add(x2[l], a2[l]);
+        }
+    }
+    *acc = [a0, a1, a2];
+    std::array::from_fn(|k| {
+        let xs = &x[whole + k..];
+        d[whole..].iter().zip(xs).map(|(a, b)| a * b).sum()
+    })
+}
+
+/// The filter gradient of one plane of a stride-1 3x3 SAME convolution,
+/// `dw[ky][kx] = sum dy[oy][ox] * x[oy + ky - 1][ox + kx - 1]`, row by row (`height >= 2`,
+/// `width >= 3`).
+fn filter_grad3x3_plane(x: &[f32], dy: &[f32], [height, width]: [usize; 2]) -> [f32; 9] {
+    let mut lanes = [[[0.0f32; GRAD_LANES]; 3]; 3];
+    let mut sums = [0.0f32; 9];
+    for (oy, d) in dy.chunks_exact(width).take(height).enumerate() {
+        for ky in kernel_rows_inside(oy, height) {
+            let r = &x[(oy + ky - 1) * width..][..width];
+            let s = &mut sums[ky * 3..][..3];
+            // the edge columns: the first reads nothing left of the plane, the last nothing
+            // right of it
+            s[1] += d[0] * r[0] + d[width - 1] * r[width - 1];
+            s[2] += d[0] * r[1];
+            s[0] += d[width - 1] * r[width - 2];
+            let rest = shifted_dots3(&mut lanes[ky], &d[1..width - 1], r);
+            for (s, r) in s.iter_mut().zip(rest) {
+                *s += r;
+            }
+        }
+    }
+    std::array::from_fn(|t| sums[t] + lanes[t / 3][t % 3].iter().sum::<f32>())
+}
+
+/// [`depthwise_forward`] of planes that [`is_direct`] takes.
+fn depthwise_forward_direct(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
+    let (c, plane) = (g.in_channels, g.in_plane());
+    let mut y: Vec<f32> = Vec::with_capacity(x.len());
+    y.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(plane)
+        .enumerate()
+        .for_each(|(p, out)| {
+            let f = std::array::from_fn(|t| weight[(p % c) * 9 + t]);
+            let src = &x[p * plane..][..plane];
+            correlate3x3_plane(src, [g.height, g.width], &f, out);
+        });
+    // SAFETY: `correlate3x3_plane` wrote every value of every plane.
+    unsafe { y.set_len(x.len()) };
+    y
+}
+
+/// [`depthwise_backward`] of planes that [`is_direct`] takes: the filter gradient by
+/// [`filter_grad3x3_plane`]; the input gradient is the output gradient correlated with the
+/// filter turned by 180 degrees, which at stride 1 is [`correlate3x3_plane`] again.
+fn depthwise_backward_direct(
+    g: &Conv,
+    x: &[f32],
+    weight: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let (c, plane, dims) = (g.in_channels, g.in_plane(), [g.height, g.width]);
+    let mut dx: Vec<f32> = Vec::with_capacity(x.len());
+    let mut partial = vec![0.0f32; g.batch * c * 9];
+    dx.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(plane)
+        .zip(partial.par_chunks_mut(9))
+        .enumerate()
+        .for_each(|(p, (dplane, dfilter))| {
+            let (xs, grad) = (&x[p * plane..][..plane], &dy[p * plane..][..plane]);
+            dfilter.copy_from_slice(&filter_grad3x3_plane(xs, grad, dims));
+            let turned = std::array::from_fn(|t| weight[(p % c) * 9 + 8 - t]);
+            correlate3x3_plane(grad, dims, &turned, dplane);
+        });
+    // SAFETY: `correlate3x3_plane` wrote every value of every plane.
+    unsafe { dx.set_len(x.len()) };
+    (dx, batch_sum(&partial, weight.len()))
+}
+
+/// Per-image filter gradients (`batch` runs of `len`) summed over the batch, in order.
+fn batch_sum(partial: &[f32], len: usize) -> Vec<f32> {
+    let mut sum = vec![0.0f32; len];
+    for image in partial.chunks(len.max(1)) {
+        axpy(&mut sum, 1.0, image);
+    }
+    sum
+}
+
 /// Depthwise convolution (`in_channels == out_channels`, one `k x k` filter per channel):
 /// `x [batch, c, h, w]`, `weight [c, 1, k, k]`.
 pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
+    if is_direct(g) {
+        return depthwise_forward_direct(g, x, weight);
+    }
     let c = g.in_channels;
     let kk = g.kernel * g.kernel;
     let padded = Padded::new(g);
@@ -735,7 +918,7 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
                     flat.resize(padded.block_len(rows), 0.0);
                     if kk == 9 {
                         let w = std::array::from_fn(|t| filter[t]);
-                        weighted_sum::<9, false>(flat, taps3x3(&padded, buf, (oy, rows)), w);
+                        weighted_sum::<9>(as_uninit(flat), taps3x3(&padded, buf, (oy, rows)), w);
                     } else {
                         flat.fill(0.0);
                         for (tap, &w) in padded.taps(buf, (oy, rows)).zip(filter) {
@@ -768,6 +951,9 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
 /// for them), which writes each input value once instead of adding to it once per tap, so
 /// the padded gradient needs no zeroing; else one `axpy` per tap into a zeroed buffer.
 pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    if is_direct(g) {
+        return depthwise_backward_direct(g, x, weight, dy);
+    }
     let c = g.in_channels;
     let kk = g.kernel * g.kernel;
     let padded = Padded::new(g);
@@ -846,11 +1032,7 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
     // SAFETY: every place of every plane of `dx` was written above, by `extract` or by the
     // zero fill before it.
     unsafe { dx.set_len(x.len()) };
-    let mut dw = vec![0.0f32; weight.len()];
-    for image in partial.chunks(c * kk) {
-        axpy(&mut dw, 1.0, image);
-    }
-    (dx, dw)
+    (dx, batch_sum(&partial, weight.len()))
 }
 
 /// One block's output gradient laid out like the block's runs (row `j` at `j * run`, zeros

@@ -49,6 +49,10 @@ const CONVS: &[ConvCase] = &[
     // leaves the last column unread
     ([1, 2, 45, 100], 2, 3, 1, true, false),
     ([1, 2, 61, 99], 2, 3, 2, true, false),
+    // stride-1 depthwise planes wide enough to run row by row: two rows (each misses a
+    // kernel row), three rows, and a bias
+    ([2, 3, 2, 64], 3, 3, 1, true, false),
+    ([1, 2, 3, 71], 2, 3, 1, true, true),
     ([1, 3, 6, 8], 3, 1, 2, true, false),
     // output planes of 64 values or more, where the input gradient uses transposed filters
     ([2, 5, 9, 8], 7, 1, 1, false, false),
