@@ -10,7 +10,9 @@ use rand::Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 use crate::config::BatchNormConfig as BnSettings;
-use crate::ops::{SsdBackend, affine_relu6, batch_norm_relu6, conv_same};
+use crate::ops::{
+    SsdBackend, affine_relu6, batch_norm_relu6, batch_norm_relu6_depthwise, conv_same,
+};
 
 /// Shape and initialisation of one convolution.
 #[derive(Debug, Clone, Copy)]
@@ -135,28 +137,61 @@ impl<B: SsdBackend> BatchNorm<B> {
     /// Normalises `[batch, channels, h, w]` and applies ReLU6. Batch statistics (and a
     /// moving-average update) when the backend records gradients, moving averages otherwise.
     pub fn forward_relu6(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let device = x.device();
-        if B::ad_enabled(&device) {
+        if B::ad_enabled(&x.device()) {
             let (y, mean, variance) =
                 batch_norm_relu6(x, self.gamma.val(), self.beta.val(), self.epsilon);
-            let keep = self.decay;
-            let update = |state: &RunningState<Tensor<B, 1>>, batch_value: Tensor<B, 1>| {
-                let moving = state.value_sync().to_device(&device);
-                state.update(
-                    (moving.mul_scalar(keep) + batch_value.detach().mul_scalar(1.0 - keep))
-                        .detach(),
-                );
-            };
-            update(&self.moving_mean, mean);
-            update(&self.moving_variance, variance);
+            self.update_moving_stats(mean, variance);
             y
         } else {
+            let device = x.device();
             let mean = self.moving_mean.value().to_device(&device);
             let variance = self.moving_variance.value().to_device(&device);
             let scale = self.gamma.val() / variance.add_scalar(self.epsilon).sqrt();
             let shift = self.beta.val() - mean * scale.clone();
             affine_relu6(x, scale, shift)
         }
+    }
+
+    /// [`BatchNorm::forward_relu6`] followed by the depthwise convolution `conv` (made by
+    /// [`ConvSpec::init`], without bias). When the backend records gradients the two run as
+    /// one operation ([`SsdBackend::batch_norm_relu6_depthwise`]), which never stores the
+    /// normalised activations between them.
+    pub(crate) fn forward_relu6_depthwise(
+        &self,
+        x: Tensor<B, 4>,
+        conv: &Conv2d<B>,
+    ) -> Tensor<B, 4> {
+        debug_assert!(
+            conv.groups > 1 && conv.bias.is_none(),
+            "a depthwise convolution"
+        );
+        if B::ad_enabled(&x.device()) {
+            let (y, mean, variance) = batch_norm_relu6_depthwise(
+                x,
+                [self.gamma.val(), self.beta.val()],
+                self.epsilon,
+                conv.weight.val(),
+                conv.stride[0],
+            );
+            self.update_moving_stats(mean, variance);
+            y
+        } else {
+            apply_conv(conv, self.forward_relu6(x))
+        }
+    }
+
+    /// Moves the moving averages towards a training batch's statistics:
+    /// `m <- decay m + (1 - decay) batch`.
+    fn update_moving_stats(&self, mean: Tensor<B, 1>, variance: Tensor<B, 1>) {
+        let keep = self.decay;
+        let update = |state: &RunningState<Tensor<B, 1>>, batch_value: Tensor<B, 1>| {
+            let moving = state.value_sync().to_device(&batch_value.device());
+            state.update(
+                (moving.mul_scalar(keep) + batch_value.detach().mul_scalar(1.0 - keep)).detach(),
+            );
+        };
+        update(&self.moving_mean, mean);
+        update(&self.moving_variance, variance);
     }
 }
 

@@ -6,7 +6,7 @@ use burn::tensor::backend::Backend;
 use rand::Rng;
 
 use crate::config::SsdConfig;
-use crate::layers::{ConvBnRelu6, ConvSpec};
+use crate::layers::{BatchNorm, ConvBnRelu6, ConvSpec, apply_conv};
 use crate::ops::SsdBackend;
 
 /// `(stride, nominal depth)` of the 13 depthwise-separable blocks (`MOBILENETV1_CONV_DEFS`).
@@ -121,18 +121,45 @@ impl<B: Backend> MobileNetV1<B> {
     }
 }
 
+/// A unit's output on its way to the next unit: normalised, or still before its BatchNorm +
+/// ReLU6, which a depthwise convolution applies itself.
+enum Activation<'a, B: Backend> {
+    Normalised(Tensor<B, 4>),
+    Pending(Tensor<B, 4>, &'a BatchNorm<B>),
+}
+
+impl<B: SsdBackend> Activation<'_, B> {
+    fn normalised(self) -> Tensor<B, 4> {
+        match self {
+            Self::Normalised(x) => x,
+            Self::Pending(x, bn) => bn.forward_relu6(x),
+        }
+    }
+}
+
 impl<B: SsdBackend> MobileNetV1<B> {
-    /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations.
+    /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations. Each
+    /// depthwise convolution applies the BatchNorm + ReLU6 of the unit before it
+    /// ([`BatchNorm::forward_relu6_depthwise`]), except after `Conv2d_11_pointwise`, whose
+    /// activations are also a feature map.
     pub fn forward(&self, x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let mut x = self.conv0.forward(x);
+        let mut x = Activation::Pending(apply_conv(&self.conv0.conv, x), &self.conv0.bn);
         let mut conv11 = None;
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.pointwise.forward(block.depthwise.forward(x));
+            let depthwise = &block.depthwise.conv;
+            let y = match x {
+                Activation::Pending(x, bn) => bn.forward_relu6_depthwise(x, depthwise),
+                Activation::Normalised(x) => apply_conv(depthwise, x),
+            };
+            let y = block.depthwise.bn.forward_relu6(y);
+            x = Activation::Pending(apply_conv(&block.pointwise.conv, y), &block.pointwise.bn);
             if i == 10 {
-                conv11 = Some(x.clone());
+                let map = x.normalised();
+                conv11 = Some(map.clone());
+                x = Activation::Normalised(map);
             }
         }
         let conv11 = conv11.expect("MobileNet-v1 always has 13 blocks");
-        (conv11, x)
+        (conv11, x.normalised())
     }
 }

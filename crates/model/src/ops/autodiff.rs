@@ -75,6 +75,44 @@ impl<B: SsdBackend> Backward<B, 3> for BatchNormRelu6 {
     }
 }
 
+/// Input, gamma, beta, mean, variance, epsilon, depthwise filters and stride of a
+/// BatchNorm + ReLU6 + depthwise convolution.
+type BatchNormDepthwiseState<B> = (BatchNormState<B>, FloatTensor<B>, usize);
+
+/// A BatchNorm + ReLU6 + depthwise convolution node (parents x, gamma, beta, filters).
+#[derive(Debug)]
+struct BatchNormRelu6Depthwise;
+
+impl<B: SsdBackend> Backward<B, 4> for BatchNormRelu6Depthwise {
+    type State = BatchNormDepthwiseState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_gamma, node_beta, node_weight] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let ((x, gamma, beta, mean, variance, epsilon), weight, stride) = ops.state;
+        let out = B::batch_norm_relu6_depthwise_backward(
+            x,
+            grad,
+            [gamma, beta],
+            [mean, variance],
+            epsilon,
+            weight,
+            stride,
+        );
+        let bn = out.batch_norm;
+        for (node, value) in [
+            (node_x, bn.x),
+            (node_gamma, bn.gamma),
+            (node_beta, bn.beta),
+            (node_weight, out.weight),
+        ] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, value);
+            }
+        }
+    }
+}
+
 /// Sigmoid cross-entropy summed over classes; the labels (the state's second tensor) are
 /// constants.
 #[derive(Debug)]
@@ -205,6 +243,47 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
         );
         let y = match BatchNormRelu6
             .prepare::<C>([x.node, gamma.node, beta.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, inner.y),
+            OpsKind::UnTracked(prep) => prep.finish(inner.y),
+        };
+        BatchNormOutput {
+            y,
+            mean: Self::from_inner(inner.mean),
+            variance: Self::from_inner(inner.variance),
+        }
+    }
+
+    fn batch_norm_relu6_depthwise(
+        x: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        epsilon: f64,
+        weight: FloatTensor<Self>,
+        stride: usize,
+    ) -> BatchNormOutput<Self> {
+        let inner = B::batch_norm_relu6_depthwise(
+            x.primitive.clone(),
+            [gamma.primitive.clone(), beta.primitive.clone()],
+            epsilon,
+            weight.primitive.clone(),
+            stride,
+        );
+        let state = (
+            (
+                x.primitive,
+                gamma.primitive,
+                beta.primitive,
+                inner.mean.clone(),
+                inner.variance.clone(),
+                epsilon,
+            ),
+            weight.primitive,
+            stride,
+        );
+        let y = match BatchNormRelu6Depthwise
+            .prepare::<C>([x.node, gamma.node, beta.node, weight.node])
             .compute_bound()
             .stateful()
         {

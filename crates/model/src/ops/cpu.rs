@@ -839,48 +839,180 @@ fn filter_grad3x3_plane(x: &[f32], dy: &[f32], [height, width]: [usize; 2]) -> [
     std::array::from_fn(|t| sums[t] + lanes[t / 3][t % 3].iter().sum::<f32>())
 }
 
-/// [`depthwise_forward`] of planes that [`is_direct`] takes.
-fn depthwise_forward_direct(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
-    let (c, plane) = (g.in_channels, g.in_plane());
-    let mut y: Vec<f32> = Vec::with_capacity(x.len());
-    y.spare_capacity_mut()[..x.len()]
-        .par_chunks_mut(plane)
-        .enumerate()
-        .for_each(|(p, out)| {
-            let f = std::array::from_fn(|t| weight[(p % c) * 9 + t]);
-            let src = &x[p * plane..][..plane];
-            correlate3x3_plane(src, [g.height, g.width], &f, out);
-        });
-    // SAFETY: `correlate3x3_plane` wrote every value of every plane.
-    unsafe { y.set_len(x.len()) };
-    y
+/// Per-thread buffers of the depthwise kernels.
+#[derive(Default)]
+struct DepthwiseScratch {
+    /// The padded input plane (blocked layout).
+    padded: Vec<f32>,
+    /// One block's outputs (forward) or the padded input gradient (backward).
+    flat: Vec<f32>,
+    /// The output gradient of one block (backward).
+    block_grad: BlockGrad,
 }
 
-/// [`depthwise_backward`] of planes that [`is_direct`] takes: the filter gradient by
-/// [`filter_grad3x3_plane`]; the input gradient is the output gradient correlated with the
-/// filter turned by 180 degrees, which at stride 1 is [`correlate3x3_plane`] again.
-fn depthwise_backward_direct(
-    g: &Conv,
-    x: &[f32],
-    weight: &[f32],
-    dy: &[f32],
-) -> (Vec<f32>, Vec<f32>) {
-    let (c, plane, dims) = (g.in_channels, g.in_plane(), [g.height, g.width]);
-    let mut dx: Vec<f32> = Vec::with_capacity(x.len());
-    let mut partial = vec![0.0f32; g.batch * c * 9];
-    dx.spare_capacity_mut()[..x.len()]
-        .par_chunks_mut(plane)
-        .zip(partial.par_chunks_mut(9))
-        .enumerate()
-        .for_each(|(p, (dplane, dfilter))| {
-            let (xs, grad) = (&x[p * plane..][..plane], &dy[p * plane..][..plane]);
-            dfilter.copy_from_slice(&filter_grad3x3_plane(xs, grad, dims));
-            let turned = std::array::from_fn(|t| weight[(p % c) * 9 + 8 - t]);
-            correlate3x3_plane(grad, dims, &turned, dplane);
-        });
-    // SAFETY: `correlate3x3_plane` wrote every value of every plane.
-    unsafe { dx.set_len(x.len()) };
-    (dx, batch_sum(&partial, weight.len()))
+/// How the depthwise kernels run planes of one geometry: row by row from the source
+/// ([`is_direct`]), or through the padded layout of [`Padded`], block by block.
+struct Depthwise {
+    g: Conv,
+    padded: Padded,
+    blocks: Vec<(usize, usize)>,
+    direct: bool,
+    /// The backward pass gathers the input gradient per phase plane ([`gather_phase`]): a
+    /// 3x3 filter at stride 1 or 2.
+    gather: bool,
+    /// Zeros before each block's gradient: the gather reads it shifted back by up to
+    /// `reach` rows and columns.
+    reach: usize,
+    /// `extract` writes every input place, so the input gradient needs no zero fill.
+    extract_writes_all: bool,
+}
+
+impl Depthwise {
+    fn new(g: &Conv) -> Self {
+        let padded = Padded::new(g);
+        let gather = g.kernel == 3 && g.stride <= 2;
+        Self {
+            g: *g,
+            blocks: padded.blocks(g.out_height),
+            direct: is_direct(g),
+            gather,
+            reach: if gather { (g.kernel - 1) / g.stride } else { 0 },
+            extract_writes_all: padded.holds_every_input(g.height),
+            padded,
+        }
+    }
+
+    fn scratch(&self) -> DepthwiseScratch {
+        DepthwiseScratch {
+            block_grad: BlockGrad::new(self.reach * self.padded.run + self.reach),
+            ..Default::default()
+        }
+    }
+
+    /// The output plane of one input plane `src` and its channel's `filter`.
+    fn forward_plane(
+        &self,
+        src: &[f32],
+        filter: &[f32],
+        out: &mut [MaybeUninit<f32>],
+        scratch: &mut DepthwiseScratch,
+    ) {
+        let g = &self.g;
+        if self.direct {
+            let f = std::array::from_fn(|t| filter[t]);
+            return correlate3x3_plane(src, [g.height, g.width], &f, out);
+        }
+        let padded = &self.padded;
+        let (buf, flat) = (&mut scratch.padded, &mut scratch.flat);
+        padded.fill(src, buf);
+        for &(oy, rows) in &self.blocks {
+            // every value is written below
+            flat.resize(padded.block_len(rows), 0.0);
+            if filter.len() == 9 {
+                let w = std::array::from_fn(|t| filter[t]);
+                weighted_sum::<9>(as_uninit(flat), taps3x3(padded, buf, (oy, rows)), w);
+            } else {
+                flat.fill(0.0);
+                for (tap, &w) in padded.taps(buf, (oy, rows)).zip(filter) {
+                    axpy(flat, w, tap);
+                }
+            }
+            let out_rows = out[oy * g.out_width..].chunks_mut(g.out_width);
+            for (j, row) in out_rows.take(rows).enumerate() {
+                let src = &flat[j * padded.run..][..g.out_width];
+                for (o, &v) in row.iter_mut().zip(src) {
+                    o.write(v);
+                }
+            }
+        }
+    }
+
+    /// The input gradient `dplane` (written whole) and the filter gradient `dfilter` (added
+    /// to) of one plane, from its input `src` and output gradient `grad`.
+    ///
+    /// Directly ([`is_direct`]): the filter gradient by [`filter_grad3x3_plane`]; the input
+    /// gradient is the output gradient correlated with the filter turned by 180 degrees,
+    /// which at stride 1 is [`correlate3x3_plane`] again. Otherwise block by block: the
+    /// output gradient is copied into a buffer laid out like the block's runs (zeros between
+    /// rows), [`BlockGrad`]; the filter gradient is its dot product with each tap's run. The
+    /// input gradient is that buffer spread back through the filter: for a 3x3 filter of
+    /// stride 1 or 2 by gathering, per phase plane of the padded layout, the shifted copies
+    /// of the taps that reach it ([`gather_phase`]; the buffer has zero margins for them),
+    /// which writes each input value once instead of adding to it once per tap, so the
+    /// padded gradient needs no zeroing; else one `axpy` per tap into a zeroed buffer.
+    fn backward_plane(
+        &self,
+        (src, grad): (&[f32], &[f32]),
+        filter: &[f32],
+        dplane: &mut [MaybeUninit<f32>],
+        dfilter: &mut [f32],
+        scratch: &mut DepthwiseScratch,
+    ) {
+        let g = &self.g;
+        if self.direct {
+            let dims = [g.height, g.width];
+            for (d, v) in dfilter
+                .iter_mut()
+                .zip(filter_grad3x3_plane(src, grad, dims))
+            {
+                *d += v;
+            }
+            let turned = std::array::from_fn(|t| filter[8 - t]);
+            return correlate3x3_plane(grad, dims, &turned, dplane);
+        }
+        let (padded, reach) = (&self.padded, self.reach);
+        let (xs, dxs, block_grad) = (
+            &mut scratch.padded,
+            &mut scratch.flat,
+            &mut scratch.block_grad,
+        );
+        padded.fill(src, xs);
+        // the gather writes every value the first time a block reaches it; the `axpy`s add
+        // to zeros
+        if !self.gather {
+            dxs.clear();
+        }
+        dxs.resize(padded.len(), 0.0);
+        for &(oy, rows) in &self.blocks {
+            block_grad.fill(padded, grad, (oy, rows));
+            let flat = block_grad.values();
+            for (d, tap) in dfilter.iter_mut().zip(padded.taps(xs, (oy, rows))) {
+                *d += dot(flat, tap);
+            }
+            if self.gather {
+                // rows oy .. of each phase plane: the block reaches `reach` rows past its
+                // own, which the next block adds to
+                let n = (rows + reach) * padded.run;
+                let seen = if oy == 0 { 0 } else { reach * padded.run };
+                let at = |py: usize, px: usize| padded.tap(oy, py, px);
+                let with = (padded, filter);
+                if g.stride == 1 {
+                    let out = &mut dxs[at(0, 0)..][..n];
+                    let taps = std::array::from_fn(|t| (t / 3, t % 3));
+                    gather_phase::<9>(out, seen, block_grad, with, taps);
+                } else {
+                    let out = &mut dxs[at(0, 0)..][..n];
+                    let taps = [(0, 0), (0, 2), (2, 0), (2, 2)];
+                    gather_phase::<4>(out, seen, block_grad, with, taps);
+                    let out = &mut dxs[at(0, 1)..][..n];
+                    gather_phase::<2>(out, seen, block_grad, with, [(0, 1), (2, 1)]);
+                    let out = &mut dxs[at(1, 0)..][..n];
+                    gather_phase::<2>(out, seen, block_grad, with, [(1, 0), (1, 2)]);
+                    let out = &mut dxs[at(1, 1)..][..n];
+                    gather_phase::<1>(out, seen, block_grad, with, [(1, 1)]);
+                }
+            } else {
+                for (t, &w) in filter.iter().enumerate() {
+                    let start = padded.tap(oy, t / g.kernel, t % g.kernel);
+                    axpy(&mut dxs[start..][..flat.len()], w, flat);
+                }
+            }
+        }
+        if !self.extract_writes_all {
+            zero_filled(dplane);
+        }
+        padded.extract(dxs, dplane);
+    }
 }
 
 /// Per-image filter gradients (`batch` runs of `len`) summed over the batch, in order.
@@ -895,80 +1027,32 @@ fn batch_sum(partial: &[f32], len: usize) -> Vec<f32> {
 /// Depthwise convolution (`in_channels == out_channels`, one `k x k` filter per channel):
 /// `x [batch, c, h, w]`, `weight [c, 1, k, k]`.
 pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
-    if is_direct(g) {
-        return depthwise_forward_direct(g, x, weight);
-    }
-    let c = g.in_channels;
-    let kk = g.kernel * g.kernel;
-    let padded = Padded::new(g);
-    let blocks = padded.blocks(g.out_height);
+    let (c, kk) = (g.in_channels, g.kernel * g.kernel);
+    let plan = Depthwise::new(g);
     let len = g.batch * c * g.out_plane();
-    // every value is written below, row by row: no zeroing first
+    // every value is written below, plane by plane: no zeroing first
     let mut y: Vec<f32> = Vec::with_capacity(len);
     y.spare_capacity_mut()[..len]
         .par_chunks_mut(g.out_plane().max(1))
         .enumerate()
         .for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(buf, flat), (p, out)| {
+            || plan.scratch(),
+            |scratch, (p, out)| {
                 let filter = &weight[(p % c) * kk..][..kk];
-                padded.fill(&x[p * g.in_plane()..][..g.in_plane()], buf);
-                for &(oy, rows) in &blocks {
-                    // every value is written below
-                    flat.resize(padded.block_len(rows), 0.0);
-                    if kk == 9 {
-                        let w = std::array::from_fn(|t| filter[t]);
-                        weighted_sum::<9>(as_uninit(flat), taps3x3(&padded, buf, (oy, rows)), w);
-                    } else {
-                        flat.fill(0.0);
-                        for (tap, &w) in padded.taps(buf, (oy, rows)).zip(filter) {
-                            axpy(flat, w, tap);
-                        }
-                    }
-                    let out_rows = out[oy * g.out_width..].chunks_mut(g.out_width);
-                    for (j, row) in out_rows.take(rows).enumerate() {
-                        let src = &flat[j * padded.run..][..g.out_width];
-                        for (o, &v) in row.iter_mut().zip(src) {
-                            o.write(v);
-                        }
-                    }
-                }
+                let src = &x[p * g.in_plane()..][..g.in_plane()];
+                plan.forward_plane(src, filter, out, scratch);
             },
         );
-    // SAFETY: the blocks cover every output row of every plane, and each row was written
-    // whole above.
+    // SAFETY: `forward_plane` wrote every value of every plane.
     unsafe { y.set_len(len) };
     y
 }
 
-/// Backward pass of [`depthwise_forward`]: `(dx, dweight)`.
-///
-/// Block by block, the output gradient is copied into a buffer laid out like the block's
-/// runs (zeros between rows), [`BlockGrad`]; the filter gradient is its dot product with
-/// each tap's run. The input gradient is that buffer spread back through the filter: for a
-/// 3x3 filter of stride 1 or 2 by gathering, per phase plane of the padded layout, the
-/// shifted copies of the taps that reach it ([`gather_phase`]; the buffer has zero margins
-/// for them), which writes each input value once instead of adding to it once per tap, so
-/// the padded gradient needs no zeroing; else one `axpy` per tap into a zeroed buffer.
+/// Backward pass of [`depthwise_forward`]: `(dx, dweight)`, plane by plane
+/// ([`Depthwise::backward_plane`]).
 pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    if is_direct(g) {
-        return depthwise_backward_direct(g, x, weight, dy);
-    }
-    let c = g.in_channels;
-    let kk = g.kernel * g.kernel;
-    let padded = Padded::new(g);
-    let blocks = padded.blocks(g.out_height);
-    let gather = kk == 9 && g.stride <= 2;
-    // zeros before each block's gradient: the gather reads it shifted back by up to
-    // `(kernel - 1) / stride` rows and columns
-    let reach = (g.kernel - 1) / g.stride;
-    let margin = if gather {
-        reach * padded.run + reach
-    } else {
-        0
-    };
-    // written plane by plane below, zero-filled first only where `extract` leaves places
-    let extract_writes_all = padded.holds_every_input(g.height);
+    let (c, kk) = (g.in_channels, g.kernel * g.kernel);
+    let plan = Depthwise::new(g);
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     // per-plane filter gradients, summed over the batch below
     let mut partial = vec![0.0f32; g.batch * c * kk];
@@ -977,60 +1061,15 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
         .zip(partial.par_chunks_mut(kk))
         .enumerate()
         .for_each_init(
-            || (Vec::new(), Vec::new(), BlockGrad::new(margin)),
-            |(xs, dxs, block_grad), (p, (dplane, dfilter))| {
+            || plan.scratch(),
+            |scratch, (p, (dplane, dfilter))| {
+                let src = &x[p * g.in_plane()..][..g.in_plane()];
                 let grad = &dy[p * g.out_plane()..][..g.out_plane()];
                 let filter = &weight[(p % c) * kk..][..kk];
-                padded.fill(&x[p * g.in_plane()..][..g.in_plane()], xs);
-                // the gather writes every value the first time a block reaches it; the
-                // `axpy`s add to zeros
-                if !gather {
-                    dxs.clear();
-                }
-                dxs.resize(padded.len(), 0.0);
-                for &(oy, rows) in &blocks {
-                    block_grad.fill(&padded, grad, (oy, rows));
-                    let flat = block_grad.values();
-                    for (d, tap) in dfilter.iter_mut().zip(padded.taps(xs, (oy, rows))) {
-                        *d += dot(flat, tap);
-                    }
-                    if gather {
-                        // rows oy .. of each phase plane: the block reaches `reach` rows past
-                        // its own, which the next block adds to
-                        let n = (rows + reach) * padded.run;
-                        let seen = if oy == 0 { 0 } else { reach * padded.run };
-                        let at = |py: usize, px: usize| padded.tap(oy, py, px);
-                        let with = (&padded, filter);
-                        if g.stride == 1 {
-                            let out = &mut dxs[at(0, 0)..][..n];
-                            let taps = std::array::from_fn(|t| (t / 3, t % 3));
-                            gather_phase::<9>(out, seen, block_grad, with, taps);
-                        } else {
-                            let out = &mut dxs[at(0, 0)..][..n];
-                            let taps = [(0, 0), (0, 2), (2, 0), (2, 2)];
-                            gather_phase::<4>(out, seen, block_grad, with, taps);
-                            let out = &mut dxs[at(0, 1)..][..n];
-                            gather_phase::<2>(out, seen, block_grad, with, [(0, 1), (2, 1)]);
-                            let out = &mut dxs[at(1, 0)..][..n];
-                            gather_phase::<2>(out, seen, block_grad, with, [(1, 0), (1, 2)]);
-                            let out = &mut dxs[at(1, 1)..][..n];
-                            gather_phase::<1>(out, seen, block_grad, with, [(1, 1)]);
-                        }
-                    } else {
-                        for (t, &w) in filter.iter().enumerate() {
-                            let start = padded.tap(oy, t / g.kernel, t % g.kernel);
-                            axpy(&mut dxs[start..][..flat.len()], w, flat);
-                        }
-                    }
-                }
-                if !extract_writes_all {
-                    zero_filled(dplane);
-                }
-                padded.extract(dxs, dplane);
+                plan.backward_plane((src, grad), filter, dplane, dfilter, scratch);
             },
         );
-    // SAFETY: every place of every plane of `dx` was written above, by `extract` or by the
-    // zero fill before it.
+    // SAFETY: `backward_plane` wrote every place of every plane.
     unsafe { dx.set_len(x.len()) };
     (dx, batch_sum(&partial, weight.len()))
 }
@@ -1038,6 +1077,7 @@ pub fn depthwise_backward(g: &Conv, x: &[f32], weight: &[f32], dy: &[f32]) -> (V
 /// One block's output gradient laid out like the block's runs (row `j` at `j * run`, zeros
 /// between rows), after `margin` zeros and followed by zeros to `2 * margin` past its end, so
 /// that runs shifted back by up to `margin` read zeros outside the block.
+#[derive(Default)]
 struct BlockGrad {
     buf: Vec<f32>,
     margin: usize,
@@ -1435,10 +1475,69 @@ fn channel_affine(gamma: f32, beta: f32, mean: f32, var: f32, epsilon: f32) -> (
     (scale, beta - mean * scale)
 }
 
-/// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`. The ReLU6 passes gradient where
-/// its input `x * scale + shift` was strictly inside `(0, 6)` (TF's `Relu6Grad`), computed
-/// with the forward pass's arithmetic, so the mask is the forward pass's exactly. Channel by
-/// channel, so that the input-gradient pass reads the planes the sums pass just cached.
+/// One channel of [`batch_norm_relu6_backward`]: from the channel's `(input, output
+/// gradient)` planes and `[gamma, beta, mean, variance]`, writes its input-gradient planes
+/// into `out` and returns `(dgamma, dbeta)`. The ReLU6 passes gradient where its input
+/// `x * scale + shift` was strictly inside `(0, 6)` (TF's `Relu6Grad`), computed with the
+/// forward pass's arithmetic, so the mask is the forward pass's exactly. The input-gradient
+/// pass reads the planes the sums pass just brought into the cache.
+///
+/// # Safety
+/// No other task may write channel `c` of `out` meanwhile.
+unsafe fn channel_backward<'a>(
+    planes: impl Iterator<Item = (&'a [f32], &'a [f32])> + Clone,
+    [gamma, beta, mean, variance]: [f32; 4],
+    epsilon: f32,
+    (out, c): (&ChannelOutput<'_>, usize),
+) -> (f32, f32) {
+    let (s, t) = channel_affine(gamma, beta, mean, variance, epsilon);
+    let inv_std = 1.0 / (variance + epsilon).sqrt();
+    let m = mean;
+    // the output gradient where ReLU6 passes it
+    let masked = |g: f32, v: f32| {
+        let z = v * s + t;
+        if z > 0.0 && z < 6.0 { g } else { 0.0 }
+    };
+    let (mut sum_dz_xhat, mut sum_dz, mut count) = (0.0f64, 0.0f64, 0usize);
+    for (xs, gs) in planes.clone() {
+        let (mut a, mut d) = ([0.0f32; STATISTICS_LANES], [0.0f32; STATISTICS_LANES]);
+        let (xc, gc) = (
+            xs.chunks_exact(STATISTICS_LANES),
+            gs.chunks_exact(STATISTICS_LANES),
+        );
+        let (mut ta, mut td) = (0.0f32, 0.0f32);
+        for (&xv, &g) in xc.remainder().iter().zip(gc.remainder()) {
+            let dz = masked(g, xv);
+            td += dz;
+            ta += dz * (xv - m);
+        }
+        for (xv, g) in xc.zip(gc) {
+            for i in 0..STATISTICS_LANES {
+                let dz = masked(g[i], xv[i]);
+                d[i] += dz;
+                a[i] += dz * (xv[i] - m);
+            }
+        }
+        sum_dz += (d.iter().sum::<f32>() + td) as f64;
+        sum_dz_xhat += (a.iter().sum::<f32>() + ta) as f64 * inv_std as f64;
+        count += xs.len();
+    }
+    let (dgamma, dbeta) = (sum_dz_xhat as f32, sum_dz as f32);
+    let count = count as f32;
+    let (mean_dz, mean_dz_xhat) = (dbeta / count, dgamma / count);
+    for (b, (xs, gs)) in planes.enumerate() {
+        // SAFETY: the caller's contract: this task alone writes channel `c`.
+        let dst = unsafe { out.plane(b, c) };
+        for ((o, &xv), &g) in dst.iter_mut().zip(xs).zip(gs) {
+            let xhat = (xv - m) * inv_std;
+            o.write(s * (masked(g, xv) - mean_dz - xhat * mean_dz_xhat));
+        }
+    }
+    (dgamma, dbeta)
+}
+
+/// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`, channel by channel
+/// ([`channel_backward`]).
 pub fn batch_norm_relu6_backward(
     x: &[f32],
     dy: &[f32],
@@ -1448,60 +1547,129 @@ pub fn batch_norm_relu6_backward(
     epsilon: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let dims = [batch, gamma.len(), plane];
-    let count = (batch * plane) as f32;
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     let out = ChannelOutput::new(&mut dx.spare_capacity_mut()[..x.len()], dims);
     let (dgamma, dbeta) = (0..gamma.len())
         .into_par_iter()
         .map(|c| {
-            let (s, t) = channel_affine(gamma[c], beta[c], mean[c], variance[c], epsilon);
-            let inv_std = 1.0 / (variance[c] + epsilon).sqrt();
-            let m = mean[c];
-            // the output gradient where ReLU6 passes it
-            let masked = |g: f32, v: f32| {
-                let z = v * s + t;
-                if z > 0.0 && z < 6.0 { g } else { 0.0 }
-            };
             let planes = channel_planes(x, dims, c).zip(channel_planes(dy, dims, c));
-            let (mut sum_dz_xhat, mut sum_dz) = (0.0f64, 0.0f64);
-            for (xs, gs) in planes.clone() {
-                let (mut a, mut d) = ([0.0f32; STATISTICS_LANES], [0.0f32; STATISTICS_LANES]);
-                let (xc, gc) = (
-                    xs.chunks_exact(STATISTICS_LANES),
-                    gs.chunks_exact(STATISTICS_LANES),
-                );
-                let (mut ta, mut td) = (0.0f32, 0.0f32);
-                for (&xv, &g) in xc.remainder().iter().zip(gc.remainder()) {
-                    let dz = masked(g, xv);
-                    td += dz;
-                    ta += dz * (xv - m);
-                }
-                for (xv, g) in xc.zip(gc) {
-                    for i in 0..STATISTICS_LANES {
-                        let dz = masked(g[i], xv[i]);
-                        d[i] += dz;
-                        a[i] += dz * (xv[i] - m);
-                    }
-                }
-                sum_dz += (d.iter().sum::<f32>() + td) as f64;
-                sum_dz_xhat += (a.iter().sum::<f32>() + ta) as f64 * inv_std as f64;
-            }
-            let (dgamma, dbeta) = (sum_dz_xhat as f32, sum_dz as f32);
-            let (mean_dz, mean_dz_xhat) = (dbeta / count, dgamma / count);
-            for (b, (xs, gs)) in planes.enumerate() {
-                // SAFETY: this task is the only one writing channel `c`.
-                let dst = unsafe { out.plane(b, c) };
-                for ((o, &xv), &g) in dst.iter_mut().zip(xs).zip(gs) {
-                    let xhat = (xv - m) * inv_std;
-                    o.write(s * (masked(g, xv) - mean_dz - xhat * mean_dz_xhat));
-                }
-            }
-            (dgamma, dbeta)
+            let params = [gamma[c], beta[c], mean[c], variance[c]];
+            // SAFETY: this task is the only one writing channel `c`.
+            unsafe { channel_backward(planes, params, epsilon, (&out, c)) }
         })
         .unzip();
     // SAFETY: every channel's `batch` planes were written above.
     unsafe { dx.set_len(x.len()) };
     (dx, dgamma, dbeta)
+}
+
+/// `clamp(v * s + t, 0, 6)` of every value of `src`, into `dst`: a plane of a training
+/// BatchNorm + ReLU6's output, made where it is consumed instead of stored.
+fn scaled_relu6_into<'a>(dst: &'a mut Vec<f32>, src: &[f32], s: f32, t: f32) -> &'a [f32] {
+    dst.clear();
+    dst.extend(src.iter().map(|&v| scaled_relu6(v, s, t)));
+    dst
+}
+
+/// Training-mode BatchNorm + ReLU6 of `x [batch, c, h, w]` (as [`batch_norm_relu6`]) followed
+/// by the depthwise convolution `g` with `weight` (as [`depthwise_forward`]): `(y, mean,
+/// variance)`, `y` the convolution's output. Channel by channel: the channel's statistics,
+/// then each of its planes normalised into a buffer and convolved from there, so that the
+/// normalised activations are neither stored nor read back from memory. The values are
+/// those of the two operations one after the other, bit for bit.
+pub fn batch_norm_relu6_depthwise(
+    g: &Conv,
+    x: &[f32],
+    [gamma, beta]: [&[f32]; 2],
+    epsilon: f32,
+    weight: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (c, kk) = (g.in_channels, g.kernel * g.kernel);
+    let plan = Depthwise::new(g);
+    let in_dims = [g.batch, c, g.in_plane()];
+    let len = g.batch * c * g.out_plane();
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    let out = ChannelOutput::new(
+        &mut y.spare_capacity_mut()[..len],
+        [g.batch, c, g.out_plane()],
+    );
+    let (mean, var) = (0..c)
+        .into_par_iter()
+        .map_init(
+            || (plan.scratch(), Vec::new()),
+            |(scratch, normalised), ch| {
+                let (mean, var) = moments(channel_planes(x, in_dims, ch));
+                let (s, t) = channel_affine(gamma[ch], beta[ch], mean, var, epsilon);
+                let filter = &weight[ch * kk..][..kk];
+                for (b, src) in channel_planes(x, in_dims, ch).enumerate() {
+                    let src = scaled_relu6_into(normalised, src, s, t);
+                    // SAFETY: this task is the only one writing channel `ch`.
+                    let dst = unsafe { out.plane(b, ch) };
+                    plan.forward_plane(src, filter, dst, scratch);
+                }
+                (mean, var)
+            },
+        )
+        .unzip();
+    // SAFETY: every channel's `batch` planes were written above.
+    unsafe { y.set_len(len) };
+    (y, mean, var)
+}
+
+/// Gradients of [`batch_norm_relu6_depthwise`] for the output gradient `dy`: `(dx, dgamma,
+/// dbeta, dweight)`. Channel by channel: each plane is normalised again and sent back
+/// through the convolution ([`Depthwise::backward_plane`]) into a buffer of the channel's
+/// gradients at the BatchNorm's output, which the BatchNorm's backward pass
+/// ([`channel_backward`]) then reads from the cache: those gradients are never stored. The
+/// values are those of the two backward passes one after the other, bit for bit.
+pub fn batch_norm_relu6_depthwise_backward(
+    g: &Conv,
+    (x, dy): (&[f32], &[f32]),
+    [gamma, beta]: [&[f32]; 2],
+    [mean, variance]: [&[f32]; 2],
+    epsilon: f32,
+    weight: &[f32],
+) -> [Vec<f32>; 4] {
+    let (c, kk, plane) = (g.in_channels, g.kernel * g.kernel, g.in_plane());
+    let plan = Depthwise::new(g);
+    let (in_dims, out_dims) = ([g.batch, c, plane], [g.batch, c, g.out_plane()]);
+    let mut dx: Vec<f32> = Vec::with_capacity(x.len());
+    let out = ChannelOutput::new(&mut dx.spare_capacity_mut()[..x.len()], in_dims);
+    let per_channel: Vec<(f32, f32, Vec<f32>)> = (0..c)
+        .into_par_iter()
+        .map_init(
+            || (plan.scratch(), Vec::new(), Vec::new()),
+            |(scratch, normalised, grads), ch| {
+                let (s, t) = channel_affine(gamma[ch], beta[ch], mean[ch], variance[ch], epsilon);
+                let filter = &weight[ch * kk..][..kk];
+                // the filter gradient summed image by image, as `depthwise_backward` does
+                let (mut dfilter, mut image) = (vec![0.0f32; kk], vec![0.0f32; kk]);
+                grads.resize(g.batch * plane, 0.0);
+                let inputs = channel_planes(x, in_dims, ch).zip(channel_planes(dy, out_dims, ch));
+                for ((src, grad), dst) in inputs.zip(grads.chunks_mut(plane.max(1))) {
+                    let src = scaled_relu6_into(normalised, src, s, t);
+                    image.fill(0.0);
+                    plan.backward_plane((src, grad), filter, as_uninit(dst), &mut image, scratch);
+                    axpy(&mut dfilter, 1.0, &image);
+                }
+                let planes = channel_planes(x, in_dims, ch).zip(grads.chunks(plane.max(1)));
+                let params = [gamma[ch], beta[ch], mean[ch], variance[ch]];
+                // SAFETY: this task is the only one writing channel `ch`.
+                let (dgamma, dbeta) =
+                    unsafe { channel_backward(planes, params, epsilon, (&out, ch)) };
+                (dgamma, dbeta, dfilter)
+            },
+        )
+        .collect();
+    // SAFETY: every channel's `batch` planes were written above.
+    unsafe { dx.set_len(x.len()) };
+    let (mut dgamma, mut dbeta, mut dweight) = (Vec::new(), Vec::new(), Vec::new());
+    for (dg, db, dw) in per_channel {
+        dgamma.push(dg);
+        dbeta.push(db);
+        dweight.extend(dw);
+    }
+    [dx, dgamma, dbeta, dweight]
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use super::cpu::{self, Conv};
 use super::{
-    BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted, RmsPropState, RmsPropStep,
-    SsdBackend, reference,
+    BatchNormDepthwiseGrads, BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted,
+    RmsPropState, RmsPropStep, SsdBackend, reference,
 };
 
 /// A tensor whose values are one contiguous run of its buffer: the tensor itself when they
@@ -190,6 +190,80 @@ impl SsdBackend for Flex {
             x: output(dx, shape),
             gamma: output(dgamma, [channels]),
             beta: output(dbeta, [channels]),
+        }
+    }
+
+    fn batch_norm_relu6_depthwise(
+        x: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        epsilon: f64,
+        weight: FloatTensor<Self>,
+        stride: usize,
+    ) -> BatchNormOutput<Self> {
+        if !all_f32(&[&x, &gamma, &beta, &weight]) {
+            return reference::batch_norm_relu6_depthwise::<Self>(
+                x,
+                [gamma, beta],
+                epsilon,
+                weight,
+                stride,
+            );
+        }
+        let g = geometry(&x, &weight, stride);
+        let [x, gamma, beta, weight] = [&x, &gamma, &beta, &weight].map(contiguous);
+        let (y, mean, variance) = cpu::batch_norm_relu6_depthwise(
+            &g,
+            values(&x),
+            [values(&gamma), values(&beta)],
+            epsilon as f32,
+            values(&weight),
+        );
+        BatchNormOutput {
+            y: output(y, [g.batch, g.out_channels, g.out_height, g.out_width]),
+            mean: output(mean, [g.in_channels]),
+            variance: output(variance, [g.in_channels]),
+        }
+    }
+
+    fn batch_norm_relu6_depthwise_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        [mean, variance]: [FloatTensor<Self>; 2],
+        epsilon: f64,
+        weight: FloatTensor<Self>,
+        stride: usize,
+    ) -> BatchNormDepthwiseGrads<Self> {
+        if !all_f32(&[&x, &grad, &gamma, &beta, &mean, &variance, &weight]) {
+            return reference::batch_norm_relu6_depthwise_backward::<Self>(
+                x,
+                grad,
+                [gamma, beta],
+                [mean, variance],
+                epsilon,
+                weight,
+                stride,
+            );
+        }
+        let g = geometry(&x, &weight, stride);
+        let (x_shape, w_shape) = (x.shape(), weight.shape());
+        let [x, grad, gamma, beta, mean, variance, weight] =
+            [&x, &grad, &gamma, &beta, &mean, &variance, &weight].map(contiguous);
+        let [dx, dgamma, dbeta, dweight] = cpu::batch_norm_relu6_depthwise_backward(
+            &g,
+            (values(&x), values(&grad)),
+            [values(&gamma), values(&beta)],
+            [values(&mean), values(&variance)],
+            epsilon as f32,
+            values(&weight),
+        );
+        BatchNormDepthwiseGrads {
+            batch_norm: BatchNormGrads {
+                x: output(dx, x_shape),
+                gamma: output(dgamma, [g.in_channels]),
+                beta: output(dbeta, [g.in_channels]),
+            },
+            weight: output(dweight, w_shape),
         }
     }
 

@@ -63,6 +63,15 @@ pub struct BatchNormGrads<B: Backend> {
     pub beta: FloatTensor<B>,
 }
 
+/// Gradients of [`SsdBackend::batch_norm_relu6_depthwise`].
+#[derive(Debug)]
+pub struct BatchNormDepthwiseGrads<B: Backend> {
+    /// Gradients of the BatchNorm's input, scale and offset.
+    pub batch_norm: BatchNormGrads<B>,
+    /// Gradient of the depthwise filters.
+    pub weight: FloatTensor<B>,
+}
+
 /// The constants of one [`SsdBackend::rmsprop_update`] (`tf.train.RMSPropOptimizer`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RmsPropStep {
@@ -139,6 +148,43 @@ pub trait SsdBackend: Backend {
         epsilon: f64,
     ) -> BatchNormGrads<Self> {
         reference::batch_norm_relu6_backward::<Self>(x, grad, gamma, beta, mean, variance, epsilon)
+    }
+
+    /// Training-mode BatchNorm + ReLU6 of `x` ([`SsdBackend::batch_norm_relu6`]) followed by
+    /// a depthwise convolution of the result ([`SsdBackend::conv_same`], no bias), as one
+    /// operation: `y` is the convolution's output. The CPU backend never stores the
+    /// normalised activations, which saves writing them and reading them back.
+    fn batch_norm_relu6_depthwise(
+        x: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        epsilon: f64,
+        weight: FloatTensor<Self>,
+        stride: usize,
+    ) -> BatchNormOutput<Self> {
+        reference::batch_norm_relu6_depthwise::<Self>(x, [gamma, beta], epsilon, weight, stride)
+    }
+
+    /// Backward pass of [`SsdBackend::batch_norm_relu6_depthwise`] for the output gradient
+    /// `grad`, given its input, parameters and batch statistics.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_relu6_depthwise_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        [mean, variance]: [FloatTensor<Self>; 2],
+        epsilon: f64,
+        weight: FloatTensor<Self>,
+        stride: usize,
+    ) -> BatchNormDepthwiseGrads<Self> {
+        reference::batch_norm_relu6_depthwise_backward::<Self>(
+            x,
+            grad,
+            [gamma, beta],
+            [mean, variance],
+            epsilon,
+            weight,
+            stride,
+        )
     }
 
     /// `[batch, channels, height, width]` reordered to `[batch, height, width, channels]`
@@ -266,6 +312,20 @@ pub fn batch_norm_relu6<B: SsdBackend>(
     epsilon: f64,
 ) -> (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) {
     let out = B::batch_norm_relu6(prim(x), prim(gamma), prim(beta), epsilon);
+    (tensor(out.y), tensor(out.mean), tensor(out.variance))
+}
+
+/// [`SsdBackend::batch_norm_relu6_depthwise`] on tensors: `(y, mean, variance)`, `y` the
+/// depthwise convolution's output; the statistics carry no gradient.
+pub fn batch_norm_relu6_depthwise<B: SsdBackend>(
+    x: Tensor<B, 4>,
+    [gamma, beta]: [Tensor<B, 1>; 2],
+    epsilon: f64,
+    weight: Tensor<B, 4>,
+    stride: usize,
+) -> (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) {
+    let params = [prim(gamma), prim(beta)];
+    let out = B::batch_norm_relu6_depthwise(prim(x), params, epsilon, prim(weight), stride);
     (tensor(out.y), tensor(out.mean), tensor(out.variance))
 }
 

@@ -9,8 +9,8 @@ use burn::tensor::{Tensor, TensorMetadata};
 
 use super::cpu::same_padding;
 use super::{
-    BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted, RmsPropState, RmsPropStep, prim,
-    tensor,
+    BatchNormDepthwiseGrads, BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted,
+    RmsPropState, RmsPropStep, SsdBackend, prim, tensor,
 };
 
 /// `x` padded as TF "SAME" pads it for this kernel and stride, with the convolution options
@@ -150,6 +150,51 @@ pub fn batch_norm_relu6_backward<B: Backend>(
         x: prim(dx),
         gamma: prim(dgamma.reshape([channels])),
         beta: prim(dbeta.reshape([channels])),
+    }
+}
+
+/// [`SsdBackend::batch_norm_relu6_depthwise`] as the two operations one after the other.
+pub fn batch_norm_relu6_depthwise<B: SsdBackend>(
+    x: FloatTensor<B>,
+    [gamma, beta]: [FloatTensor<B>; 2],
+    epsilon: f64,
+    weight: FloatTensor<B>,
+    stride: usize,
+) -> BatchNormOutput<B> {
+    let normalised = B::batch_norm_relu6(x, gamma, beta, epsilon);
+    BatchNormOutput {
+        y: B::conv_same(normalised.y, weight, None, stride, true),
+        ..normalised
+    }
+}
+
+/// [`SsdBackend::batch_norm_relu6_depthwise_backward`] as the two backward passes one after
+/// the other, the normalised activations recomputed from the batch statistics.
+pub fn batch_norm_relu6_depthwise_backward<B: SsdBackend>(
+    x: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    [gamma, beta]: [FloatTensor<B>; 2],
+    [mean, variance]: [FloatTensor<B>; 2],
+    epsilon: f64,
+    weight: FloatTensor<B>,
+    stride: usize,
+) -> BatchNormDepthwiseGrads<B> {
+    let inv_std = tensor::<B, 1>(variance.clone())
+        .add_scalar(epsilon)
+        .sqrt()
+        .recip();
+    let scale = inv_std * tensor::<B, 1>(gamma.clone());
+    let shift = tensor::<B, 1>(beta.clone()) - tensor::<B, 1>(mean.clone()) * scale.clone();
+    let normalised = B::affine_relu6(x.clone(), prim(scale), prim(shift));
+    let wanted = ConvGradsWanted {
+        x: true,
+        bias: false,
+    };
+    let conv = B::conv_same_backward(normalised, weight, grad, stride, true, wanted);
+    let dy = conv.x.expect("the input gradient was asked for");
+    BatchNormDepthwiseGrads {
+        batch_norm: B::batch_norm_relu6_backward(x, dy, gamma, beta, mean, variance, epsilon),
+        weight: conv.weight,
     }
 }
 

@@ -5,8 +5,9 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Distribution, Tensor};
 
 use super::{
-    ConvGradsWanted, SsdBackend, add_scaled, affine_relu6, batch_norm_relu6, channels_last,
-    conv_same, half_squared_norm, prim, reference, sigmoid_cross_entropy, tensor,
+    ConvGradsWanted, SsdBackend, add_scaled, affine_relu6, batch_norm_relu6,
+    batch_norm_relu6_depthwise, channels_last, conv_same, half_squared_norm, prim, reference,
+    sigmoid_cross_entropy, tensor,
 };
 
 type A = Autodiff<Flex>;
@@ -225,6 +226,113 @@ fn batch_norm_relu6_matches_reference_values_and_gradients() {
         ours[1].clone(),
         1e-4,
     );
+}
+
+/// The fused BatchNorm + ReLU6 + depthwise convolution against the two operations one after
+/// the other: the same values and gradients bit for bit on the CPU, and the reference
+/// backward operation (the default of other backends) within rounding.
+#[test]
+fn batch_norm_relu6_depthwise_matches_the_two_operations() {
+    // planes run row by row (stride 1, 70 wide), through the padded layout (stride 1 narrow,
+    // stride 2 with even and odd sizes)
+    let cases = [
+        ([2, 3, 9, 70], 1),
+        ([3, 4, 7, 6], 1),
+        ([2, 3, 10, 9], 2),
+        ([1, 2, 11, 11], 2),
+    ];
+    let eps = 0.001;
+    for (n, (shape, stride)) in cases.into_iter().enumerate() {
+        let what = format!("fused {shape:?} s{stride}");
+        let seed = 100 + 10 * n as u64;
+        let c = shape[1];
+        let x = random(shape, seed).mul_scalar(4.0).add_scalar(1.0);
+        let gamma = random([c], seed + 1).mul_scalar(2.0).add_scalar(2.5);
+        let beta = random([c], seed + 2).mul_scalar(2.0).add_scalar(1.0);
+        let w = random([c, 1, 3, 3], seed + 3);
+        let fused = |x: Tensor<A, 4>, g: Tensor<A, 1>, b: Tensor<A, 1>, w: Tensor<A, 4>| {
+            batch_norm_relu6_depthwise(x, [g, b], eps, w, stride)
+        };
+        let two_ops = |x: Tensor<A, 4>, g: Tensor<A, 1>, b: Tensor<A, 1>, w: Tensor<A, 4>| {
+            let (y, mean, var) = batch_norm_relu6(x, g, b, eps);
+            let ys = values(y.clone());
+            let at = |bound: f32| ys.iter().filter(|&&v| v == bound).count();
+            assert!(
+                at(0.0) > 0 && at(6.0) > 0,
+                "{what}: both ReLU6 bounds reached"
+            );
+            (conv_same(y, w, None, stride, true), mean, var)
+        };
+        let upstream = random(
+            two_ops(
+                Tensor::from_inner(x.clone()),
+                Tensor::from_inner(gamma.clone()),
+                Tensor::from_inner(beta.clone()),
+                Tensor::from_inner(w.clone()),
+            )
+            .0
+            .dims(),
+            seed + 4,
+        );
+        let run = |fuse: bool| {
+            let xa = Tensor::<A, 4>::from_inner(x.clone()).require_grad();
+            let ga = Tensor::<A, 1>::from_inner(gamma.clone()).require_grad();
+            let ba = Tensor::<A, 1>::from_inner(beta.clone()).require_grad();
+            let wa = Tensor::<A, 4>::from_inner(w.clone()).require_grad();
+            let inputs = (xa.clone(), ga.clone(), ba.clone(), wa.clone());
+            let (y, mean, var) = if fuse {
+                fused(inputs.0, inputs.1, inputs.2, inputs.3)
+            } else {
+                two_ops(inputs.0, inputs.1, inputs.2, inputs.3)
+            };
+            let out = [values(y.clone()), values(mean), values(var)];
+            let g = (y * Tensor::from_inner(upstream.clone())).sum().backward();
+            let grads = [
+                values(xa.grad(&g).expect("x")),
+                values(ga.grad(&g).expect("gamma")),
+                values(ba.grad(&g).expect("beta")),
+                values(wa.grad(&g).expect("weight")),
+            ];
+            (out, grads)
+        };
+        let (out, grads) = run(true);
+        let (want_out, want_grads) = run(false);
+        for (i, (got, want)) in out.iter().zip(&want_out).enumerate() {
+            assert_eq!(got, want, "{what}: output {i}");
+        }
+        for (i, (got, want)) in grads.iter().zip(&want_grads).enumerate() {
+            assert_eq!(got, want, "{what}: gradient {i}");
+        }
+
+        // the reference operations (the defaults of other backends)
+        let r = reference::batch_norm_relu6_depthwise::<Flex>(
+            prim(x.clone()),
+            [prim(gamma.clone()), prim(beta.clone())],
+            eps,
+            prim(w.clone()),
+            stride,
+        );
+        assert_close(&what, values(tensor::<Flex, 4>(r.y)), out[0].clone(), 1e-5);
+        let (mean, var) = (r.mean, r.variance);
+        let r = reference::batch_norm_relu6_depthwise_backward::<Flex>(
+            prim(x),
+            prim(upstream),
+            [prim(gamma), prim(beta)],
+            [mean, var],
+            eps,
+            prim(w),
+            stride,
+        );
+        let reference = [
+            values(tensor::<Flex, 4>(r.batch_norm.x)),
+            values(tensor::<Flex, 1>(r.batch_norm.gamma)),
+            values(tensor::<Flex, 1>(r.batch_norm.beta)),
+            values(tensor::<Flex, 4>(r.weight)),
+        ];
+        for (i, (got, want)) in reference.into_iter().zip(grads).enumerate() {
+            assert_close(&format!("{what} reference grad {i}"), got, want, 1e-4);
+        }
+    }
 }
 
 #[test]
