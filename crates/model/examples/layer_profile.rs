@@ -3,8 +3,10 @@
 //! forward / backward, in ms, mean of 3 runs after one warm-up, for the backbone, the extra
 //! feature layers and the predictor heads (which have a bias and no BatchNorm), then the
 //! totals (with the depthwise layers' share) and the classification loss (sigmoid
-//! cross-entropy over every anchor's logits). Where a training step's time goes, layer by
-//! layer:
+//! cross-entropy over every anchor's logits). Training runs the BatchNorm + ReLU6 before
+//! most depthwise layers inside them (`batch_norm_relu6_depthwise`): those rows add the fused
+//! operation's time, and the totals compare it with the two operations apart. Where a
+//! training step's time goes, layer by layer:
 //!
 //! `cargo run --release -p model --example layer_profile [-- BATCH]`
 
@@ -32,6 +34,8 @@ type Layer = (usize, usize, usize, usize, Kind);
 enum Kind {
     Dense3x3,
     Depthwise,
+    /// A depthwise convolution that applies the BatchNorm + ReLU6 of the unit before it.
+    FusedDepthwise,
     Pointwise,
     /// A predictor head: a 1x1 convolution with a bias and no BatchNorm.
     Head,
@@ -40,7 +44,7 @@ enum Kind {
 impl Kind {
     fn kernel(self) -> usize {
         match self {
-            Kind::Dense3x3 | Kind::Depthwise => 3,
+            Kind::Dense3x3 | Kind::Depthwise | Kind::FusedDepthwise => 3,
             Kind::Pointwise | Kind::Head => 1,
         }
     }
@@ -53,7 +57,13 @@ fn network() -> Vec<Layer> {
     let (mut channels, mut size) = (32usize, 150usize);
     let mut maps = Vec::new();
     for (i, (stride, depth)) in SEPARABLE_BLOCKS.into_iter().enumerate() {
-        layers.push((channels, channels, size, stride, Kind::Depthwise));
+        // the input of block 11 is the first feature map: stored normalised
+        let kind = if i == 11 {
+            Kind::Depthwise
+        } else {
+            Kind::FusedDepthwise
+        };
+        layers.push((channels, channels, size, stride, kind));
         size = size.div_ceil(stride);
         layers.push((channels, depth, size, 1, Kind::Pointwise));
         channels = depth;
@@ -86,10 +96,16 @@ fn main() {
     let mut totals = [0.0f64; 4];
     // the depthwise layers' share of the convolution totals
     let mut depthwise_totals = [0.0f64; 2];
+    // the fused layers: their convolutions plus the BatchNorm + ReLU6 before them, apart and
+    // fused (forward, backward)
+    let (mut apart, mut fused) = ([0.0f64; 2], [0.0f64; 2]);
+    // the BatchNorm + ReLU6 times of the layer before
+    let mut bn_before = [0.0f64; 2];
     for (i, (cin, cout, size, stride, kind)) in network().into_iter().enumerate() {
         // the first layer's input is the images: no input gradient
         let with_dx = i > 0;
-        let (depthwise, k) = (kind == Kind::Depthwise, kind.kernel());
+        let depthwise = matches!(kind, Kind::Depthwise | Kind::FusedDepthwise);
+        let k = kind.kernel();
         let g = Conv::same([batch, cin, size, size], cout, k, stride);
         let x: Vec<f32> = (0..batch * cin * size * size)
             .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
@@ -151,18 +167,46 @@ fn main() {
         for (t, v) in totals.iter_mut().zip([conv_fwd, conv_bwd, bn_fwd, bn_bwd]) {
             *t += v;
         }
+        let fused_ms = (kind == Kind::FusedDepthwise).then(|| {
+            let (gamma, beta) = (vec![1.0f32; cin], vec![0.1f32; cin]);
+            let params = [gamma.as_slice(), beta.as_slice()];
+            let (y, mean, var) = cpu::batch_norm_relu6_depthwise(&g, &x, params, 0.001, &w);
+            let stats = [mean.as_slice(), var.as_slice()];
+            let fwd = mean_ms(|| drop(cpu::batch_norm_relu6_depthwise(&g, &x, params, 0.001, &w)));
+            let bwd = mean_ms(|| {
+                drop(cpu::batch_norm_relu6_depthwise_backward(
+                    &g,
+                    (&x, &y),
+                    params,
+                    stats,
+                    0.001,
+                    &w,
+                ))
+            });
+            for (i, (t, v)) in fused.iter_mut().zip([fwd, bwd]).enumerate() {
+                *t += v;
+                apart[i] += bn_before[i] + [conv_fwd, conv_bwd][i];
+            }
+            format!(" | fused with the bn before: fwd {fwd:5.1} bwd {bwd:5.1}")
+        });
+        bn_before = [bn_fwd, bn_bwd];
         println!(
-            "{cin:5} -> {cout:5} at {size:3}x{size:<3} s{stride} {:9}: conv fwd {conv_fwd:6.1} bwd {conv_bwd:6.1} | bn+relu6 fwd {bn_fwd:5.1} bwd {bn_bwd:5.1}",
+            "{cin:5} -> {cout:5} at {size:3}x{size:<3} s{stride} {:9}: conv fwd {conv_fwd:6.1} bwd {conv_bwd:6.1} | bn+relu6 fwd {bn_fwd:5.1} bwd {bn_bwd:5.1}{}",
             match kind {
-                Kind::Depthwise => "depthwise",
+                Kind::Depthwise | Kind::FusedDepthwise => "depthwise",
                 Kind::Pointwise => "pointwise",
                 _ => "dense 3x3",
-            }
+            },
+            fused_ms.unwrap_or_default()
         );
     }
     println!(
         "total (ms): conv fwd {:.0}, conv bwd {:.0} (depthwise {:.1} / {:.1}), bn+relu6 fwd {:.0}, bn+relu6 bwd {:.0}",
         totals[0], totals[1], depthwise_totals[0], depthwise_totals[1], totals[2], totals[3]
+    );
+    println!(
+        "fused bn+relu6 -> depthwise layers (ms): apart fwd {:.1} bwd {:.1}, fused fwd {:.1} bwd {:.1}",
+        apart[0], apart[1], fused[0], fused[1]
     );
     classification_loss(batch, anchors(&SsdConfig::default()).len());
 }

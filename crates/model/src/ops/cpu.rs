@@ -1475,31 +1475,37 @@ fn channel_affine(gamma: f32, beta: f32, mean: f32, var: f32, epsilon: f32) -> (
     (scale, beta - mean * scale)
 }
 
-/// One channel of [`batch_norm_relu6_backward`]: from the channel's `(input, output
-/// gradient)` planes and `[gamma, beta, mean, variance]`, writes its input-gradient planes
-/// into `out` and returns `(dgamma, dbeta)`. The ReLU6 passes gradient where its input
-/// `x * scale + shift` was strictly inside `(0, 6)` (TF's `Relu6Grad`), computed with the
-/// forward pass's arithmetic, so the mask is the forward pass's exactly. The input-gradient
-/// pass reads the planes the sums pass just brought into the cache.
-///
-/// # Safety
-/// No other task may write channel `c` of `out` meanwhile.
-unsafe fn channel_backward<'a>(
-    planes: impl Iterator<Item = (&'a [f32], &'a [f32])> + Clone,
-    [gamma, beta, mean, variance]: [f32; 4],
-    epsilon: f32,
-    (out, c): (&ChannelOutput<'_>, usize),
-) -> (f32, f32) {
-    let (s, t) = channel_affine(gamma, beta, mean, variance, epsilon);
-    let inv_std = 1.0 / (variance + epsilon).sqrt();
-    let m = mean;
-    // the output gradient where ReLU6 passes it
-    let masked = |g: f32, v: f32| {
-        let z = v * s + t;
+/// One channel's constants in [`batch_norm_relu6_backward`].
+struct ChannelGrad {
+    /// The forward pass's `(scale, shift)`.
+    affine: (f32, f32),
+    mean: f32,
+    inv_std: f32,
+}
+
+impl ChannelGrad {
+    fn new([gamma, beta, mean, variance]: [f32; 4], epsilon: f32) -> Self {
+        Self {
+            affine: channel_affine(gamma, beta, mean, variance, epsilon),
+            mean,
+            inv_std: 1.0 / (variance + epsilon).sqrt(),
+        }
+    }
+
+    /// The output gradient `g` where ReLU6 passes it: where its input `x * scale + shift`
+    /// was strictly inside `(0, 6)` (TF's `Relu6Grad`), computed with the forward pass's
+    /// arithmetic, so the mask is the forward pass's exactly.
+    #[inline]
+    fn masked(&self, g: f32, x: f32) -> f32 {
+        let (s, t) = self.affine;
+        let z = x * s + t;
         if z > 0.0 && z < 6.0 { g } else { 0.0 }
-    };
-    let (mut sum_dz_xhat, mut sum_dz, mut count) = (0.0f64, 0.0f64, 0usize);
-    for (xs, gs) in planes.clone() {
+    }
+
+    /// `(sum(dz), sum(dz * (x - mean)))` over one plane's inputs `xs` and output gradients
+    /// `gs`, `dz` the masked gradient, in lanes.
+    fn plane_sums(&self, xs: &[f32], gs: &[f32]) -> (f32, f32) {
+        let m = self.mean;
         let (mut a, mut d) = ([0.0f32; STATISTICS_LANES], [0.0f32; STATISTICS_LANES]);
         let (xc, gc) = (
             xs.chunks_exact(STATISTICS_LANES),
@@ -1507,37 +1513,67 @@ unsafe fn channel_backward<'a>(
         );
         let (mut ta, mut td) = (0.0f32, 0.0f32);
         for (&xv, &g) in xc.remainder().iter().zip(gc.remainder()) {
-            let dz = masked(g, xv);
+            let dz = self.masked(g, xv);
             td += dz;
             ta += dz * (xv - m);
         }
         for (xv, g) in xc.zip(gc) {
             for i in 0..STATISTICS_LANES {
-                let dz = masked(g[i], xv[i]);
+                let dz = self.masked(g[i], xv[i]);
                 d[i] += dz;
                 a[i] += dz * (xv[i] - m);
             }
         }
-        sum_dz += (d.iter().sum::<f32>() + td) as f64;
-        sum_dz_xhat += (a.iter().sum::<f32>() + ta) as f64 * inv_std as f64;
-        count += xs.len();
+        (d.iter().sum::<f32>() + td, a.iter().sum::<f32>() + ta)
     }
-    let (dgamma, dbeta) = (sum_dz_xhat as f32, sum_dz as f32);
-    let count = count as f32;
-    let (mean_dz, mean_dz_xhat) = (dbeta / count, dgamma / count);
-    for (b, (xs, gs)) in planes.enumerate() {
-        // SAFETY: the caller's contract: this task alone writes channel `c`.
-        let dst = unsafe { out.plane(b, c) };
-        for ((o, &xv), &g) in dst.iter_mut().zip(xs).zip(gs) {
-            let xhat = (xv - m) * inv_std;
-            o.write(s * (masked(g, xv) - mean_dz - xhat * mean_dz_xhat));
-        }
-    }
-    (dgamma, dbeta)
 }
 
-/// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`, channel by channel
-/// ([`channel_backward`]).
+/// The sums of one channel's [`ChannelGrad::plane_sums`], added plane by plane in order.
+#[derive(Default)]
+struct ChannelSums {
+    dz: f64,
+    dz_centred: f64,
+    count: usize,
+}
+
+impl ChannelSums {
+    fn add(&mut self, channel: &ChannelGrad, xs: &[f32], gs: &[f32]) {
+        let (dz, dz_centred) = channel.plane_sums(xs, gs);
+        self.dz += dz as f64;
+        self.dz_centred += dz_centred as f64 * channel.inv_std as f64;
+        self.count += xs.len();
+    }
+
+    /// Writes the channel's input-gradient planes into channel `c` of `out` from its
+    /// `(input, output gradient)` planes, and returns `(dgamma, dbeta)`.
+    ///
+    /// # Safety
+    /// No other task may write channel `c` of `out` meanwhile.
+    unsafe fn finish<'a>(
+        self,
+        channel: &ChannelGrad,
+        planes: impl Iterator<Item = (&'a [f32], &'a [f32])>,
+        (out, c): (&ChannelOutput<'_>, usize),
+    ) -> (f32, f32) {
+        let (dgamma, dbeta) = (self.dz_centred as f32, self.dz as f32);
+        let count = self.count as f32;
+        let (mean_dz, mean_dz_xhat) = (dbeta / count, dgamma / count);
+        let (s, m, inv_std) = (channel.affine.0, channel.mean, channel.inv_std);
+        for (b, (xs, gs)) in planes.enumerate() {
+            // SAFETY: the caller's contract: this task alone writes channel `c`.
+            let dst = unsafe { out.plane(b, c) };
+            for ((o, &xv), &g) in dst.iter_mut().zip(xs).zip(gs) {
+                let xhat = (xv - m) * inv_std;
+                o.write(s * (channel.masked(g, xv) - mean_dz - xhat * mean_dz_xhat));
+            }
+        }
+        (dgamma, dbeta)
+    }
+}
+
+/// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`, channel by channel: the sums
+/// over its planes ([`ChannelSums`]), then its input gradient from the planes the sums just
+/// brought into the cache.
 pub fn batch_norm_relu6_backward(
     x: &[f32],
     dy: &[f32],
@@ -1552,10 +1588,14 @@ pub fn batch_norm_relu6_backward(
     let (dgamma, dbeta) = (0..gamma.len())
         .into_par_iter()
         .map(|c| {
+            let channel = ChannelGrad::new([gamma[c], beta[c], mean[c], variance[c]], epsilon);
             let planes = channel_planes(x, dims, c).zip(channel_planes(dy, dims, c));
-            let params = [gamma[c], beta[c], mean[c], variance[c]];
+            let mut sums = ChannelSums::default();
+            for (xs, gs) in planes.clone() {
+                sums.add(&channel, xs, gs);
+            }
             // SAFETY: this task is the only one writing channel `c`.
-            unsafe { channel_backward(planes, params, epsilon, (&out, c)) }
+            unsafe { sums.finish(&channel, planes, (&out, c)) }
         })
         .unzip();
     // SAFETY: every channel's `batch` planes were written above.
@@ -1619,8 +1659,9 @@ pub fn batch_norm_relu6_depthwise(
 /// Gradients of [`batch_norm_relu6_depthwise`] for the output gradient `dy`: `(dx, dgamma,
 /// dbeta, dweight)`. Channel by channel: each plane is normalised again and sent back
 /// through the convolution ([`Depthwise::backward_plane`]) into a buffer of the channel's
-/// gradients at the BatchNorm's output, which the BatchNorm's backward pass
-/// ([`channel_backward`]) then reads from the cache: those gradients are never stored. The
+/// gradients at the BatchNorm's output, summed for the BatchNorm's backward pass while in the
+/// cache ([`ChannelSums`]), which then reads them back from the cache: those gradients are
+/// never stored. The
 /// values are those of the two backward passes one after the other, bit for bit.
 pub fn batch_norm_relu6_depthwise_backward(
     g: &Conv,
@@ -1640,23 +1681,27 @@ pub fn batch_norm_relu6_depthwise_backward(
         .map_init(
             || (plan.scratch(), Vec::new(), Vec::new()),
             |(scratch, normalised, grads), ch| {
-                let (s, t) = channel_affine(gamma[ch], beta[ch], mean[ch], variance[ch], epsilon);
+                let params = [gamma[ch], beta[ch], mean[ch], variance[ch]];
+                let channel = ChannelGrad::new(params, epsilon);
+                let (s, t) = channel.affine;
                 let filter = &weight[ch * kk..][..kk];
                 // the filter gradient summed image by image, as `depthwise_backward` does
                 let (mut dfilter, mut image) = (vec![0.0f32; kk], vec![0.0f32; kk]);
+                let mut sums = ChannelSums::default();
                 grads.resize(g.batch * plane, 0.0);
                 let inputs = channel_planes(x, in_dims, ch).zip(channel_planes(dy, out_dims, ch));
                 for ((src, grad), dst) in inputs.zip(grads.chunks_mut(plane.max(1))) {
-                    let src = scaled_relu6_into(normalised, src, s, t);
+                    let normal = scaled_relu6_into(normalised, src, s, t);
                     image.fill(0.0);
-                    plan.backward_plane((src, grad), filter, as_uninit(dst), &mut image, scratch);
+                    let dst_uninit = as_uninit(dst);
+                    plan.backward_plane((normal, grad), filter, dst_uninit, &mut image, scratch);
                     axpy(&mut dfilter, 1.0, &image);
+                    // while the plane's gradient is in the cache
+                    sums.add(&channel, src, dst);
                 }
                 let planes = channel_planes(x, in_dims, ch).zip(grads.chunks(plane.max(1)));
-                let params = [gamma[ch], beta[ch], mean[ch], variance[ch]];
                 // SAFETY: this task is the only one writing channel `ch`.
-                let (dgamma, dbeta) =
-                    unsafe { channel_backward(planes, params, epsilon, (&out, ch)) };
+                let (dgamma, dbeta) = unsafe { sums.finish(&channel, planes, (&out, ch)) };
                 (dgamma, dbeta, dfilter)
             },
         )
