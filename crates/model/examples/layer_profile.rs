@@ -3,10 +3,10 @@
 //! forward / backward, in ms, mean of 3 runs after one warm-up, for the backbone, the extra
 //! feature layers and the predictor heads (which have a bias and no BatchNorm), then the
 //! totals (with the depthwise layers' share) and the classification loss (sigmoid
-//! cross-entropy over every anchor's logits). Training runs the BatchNorm + ReLU6 before
-//! most depthwise layers inside them (`batch_norm_relu6_depthwise`): those rows add the fused
-//! operation's time, and the totals compare it with the two operations apart. Where a
-//! training step's time goes, layer by layer:
+//! cross-entropy over every anchor's logits). Training runs most depthwise layers together
+//! with the BatchNorm + ReLU6 before and after them (`depthwise_between_batch_norms`): those
+//! rows add the fused operation's time, and the totals compare it with the three operations
+//! apart. Where a training step's time goes, layer by layer:
 //!
 //! `cargo run --release -p model --example layer_profile [-- BATCH]`
 
@@ -34,7 +34,8 @@ type Layer = (usize, usize, usize, usize, Kind);
 enum Kind {
     Dense3x3,
     Depthwise,
-    /// A depthwise convolution that applies the BatchNorm + ReLU6 of the unit before it.
+    /// A depthwise convolution that training runs together with the BatchNorm + ReLU6 of
+    /// the unit before it and its own.
     FusedDepthwise,
     Pointwise,
     /// A predictor head: a 1x1 convolution with a bias and no BatchNorm.
@@ -96,8 +97,8 @@ fn main() {
     let mut totals = [0.0f64; 4];
     // the depthwise layers' share of the convolution totals
     let mut depthwise_totals = [0.0f64; 2];
-    // the fused layers: their convolutions plus the BatchNorm + ReLU6 before them, apart and
-    // fused (forward, backward)
+    // the fused layers: their convolutions and the BatchNorm + ReLU6 before and after them,
+    // apart and fused (forward, backward)
     let (mut apart, mut fused) = ([0.0f64; 2], [0.0f64; 2]);
     // the BatchNorm + ReLU6 times of the layer before
     let mut bn_before = [0.0f64; 2];
@@ -170,24 +171,25 @@ fn main() {
         let fused_ms = (kind == Kind::FusedDepthwise).then(|| {
             let (gamma, beta) = (vec![1.0f32; cin], vec![0.1f32; cin]);
             let params = [gamma.as_slice(), beta.as_slice()];
-            let (y, mean, var) = cpu::batch_norm_relu6_depthwise(&g, &x, params, 0.001, &w);
-            let stats = [mean.as_slice(), var.as_slice()];
-            let fwd = mean_ms(|| drop(cpu::batch_norm_relu6_depthwise(&g, &x, params, 0.001, &w)));
-            let bwd = mean_ms(|| {
-                drop(cpu::batch_norm_relu6_depthwise_backward(
-                    &g,
-                    (&x, &y),
-                    params,
-                    stats,
-                    0.001,
-                    &w,
-                ))
+            let with = (params, w.as_slice(), params);
+            let eps = [0.001, 0.001];
+            let fwd = || cpu::depthwise_between_batch_norms(&g, &x, with, eps);
+            let out = fwd();
+            let stats = |i: usize| [gamma.as_slice(), &beta, &out.stats[i], &out.stats[i + 1]];
+            let state = ((stats(0), 0.001), w.as_slice(), (stats(2), 0.001));
+            let fwd_ms = mean_ms(|| drop(fwd()));
+            let bwd_ms = mean_ms(|| {
+                let inputs = (x.as_slice(), out.conv.as_slice(), out.y.as_slice());
+                drop(cpu::depthwise_between_batch_norms_backward(
+                    &g, inputs, state,
+                ));
             });
-            for (i, (t, v)) in fused.iter_mut().zip([fwd, bwd]).enumerate() {
-                *t += v;
-                apart[i] += bn_before[i] + [conv_fwd, conv_bwd][i];
+            let this = [conv_fwd + bn_fwd, conv_bwd + bn_bwd];
+            for i in 0..2 {
+                fused[i] += [fwd_ms, bwd_ms][i];
+                apart[i] += bn_before[i] + this[i];
             }
-            format!(" | fused with the bn before: fwd {fwd:5.1} bwd {bwd:5.1}")
+            format!(" | fused with both bns: fwd {fwd_ms:5.1} bwd {bwd_ms:5.1}")
         });
         bn_before = [bn_fwd, bn_bwd];
         println!(
@@ -205,7 +207,7 @@ fn main() {
         totals[0], totals[1], depthwise_totals[0], depthwise_totals[1], totals[2], totals[3]
     );
     println!(
-        "fused bn+relu6 -> depthwise layers (ms): apart fwd {:.1} bwd {:.1}, fused fwd {:.1} bwd {:.1}",
+        "fused bn+relu6 -> depthwise -> bn+relu6 (ms): apart fwd {:.1} bwd {:.1}, fused fwd {:.1} bwd {:.1}",
         apart[0], apart[1], fused[0], fused[1]
     );
     classification_loss(batch, anchors(&SsdConfig::default()).len());

@@ -11,7 +11,7 @@ use rand_distr::{Distribution, StandardNormal};
 
 use crate::config::BatchNormConfig as BnSettings;
 use crate::ops::{
-    SsdBackend, affine_relu6, batch_norm_relu6, batch_norm_relu6_depthwise, conv_same,
+    SsdBackend, affine_relu6, batch_norm_relu6, conv_same, depthwise_between_batch_norms,
 };
 
 /// Shape and initialisation of one convolution.
@@ -152,34 +152,6 @@ impl<B: SsdBackend> BatchNorm<B> {
         }
     }
 
-    /// [`BatchNorm::forward_relu6`] followed by the depthwise convolution `conv` (made by
-    /// [`ConvSpec::init`], without bias). When the backend records gradients the two run as
-    /// one operation ([`SsdBackend::batch_norm_relu6_depthwise`]), which never stores the
-    /// normalised activations between them.
-    pub(crate) fn forward_relu6_depthwise(
-        &self,
-        x: Tensor<B, 4>,
-        conv: &Conv2d<B>,
-    ) -> Tensor<B, 4> {
-        debug_assert!(
-            conv.groups > 1 && conv.bias.is_none(),
-            "a depthwise convolution"
-        );
-        if B::ad_enabled(&x.device()) {
-            let (y, mean, variance) = batch_norm_relu6_depthwise(
-                x,
-                [self.gamma.val(), self.beta.val()],
-                self.epsilon,
-                conv.weight.val(),
-                conv.stride[0],
-            );
-            self.update_moving_stats(mean, variance);
-            y
-        } else {
-            apply_conv(conv, self.forward_relu6(x))
-        }
-    }
-
     /// Moves the moving averages towards a training batch's statistics:
     /// `m <- decay m + (1 - decay) batch`.
     fn update_moving_stats(&self, mean: Tensor<B, 1>, variance: Tensor<B, 1>) {
@@ -226,6 +198,27 @@ impl<B: SsdBackend> ConvBnRelu6<B> {
     /// when the backend records gradients, and the moving averages otherwise.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         self.bn.forward_relu6(apply_conv(&self.conv, x))
+    }
+
+    /// Applies `before`'s BatchNorm + ReLU6 to `x`, then this unit, a depthwise convolution.
+    /// When the backend records gradients the three run as one operation
+    /// ([`SsdBackend::depthwise_between_batch_norms`], which updates both moving averages),
+    /// otherwise one after the other.
+    pub(crate) fn forward_after(&self, x: Tensor<B, 4>, before: &BatchNorm<B>) -> Tensor<B, 4> {
+        debug_assert!(self.conv.groups > 1, "a depthwise convolution");
+        if !B::ad_enabled(&x.device()) {
+            return self.forward(before.forward_relu6(x));
+        }
+        let (y, [mean, variance, mean_after, variance_after]) = depthwise_between_batch_norms(
+            x,
+            [before.gamma.val(), before.beta.val()],
+            (self.conv.weight.val(), self.conv.stride[0]),
+            [self.bn.gamma.val(), self.bn.beta.val()],
+            [before.epsilon, self.bn.epsilon],
+        );
+        before.update_moving_stats(mean, variance);
+        self.bn.update_moving_stats(mean_after, variance_after);
+        y
     }
 }
 

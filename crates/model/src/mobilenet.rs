@@ -139,19 +139,17 @@ impl<B: SsdBackend> Activation<'_, B> {
 
 impl<B: SsdBackend> MobileNetV1<B> {
     /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations. Each
-    /// depthwise convolution applies the BatchNorm + ReLU6 of the unit before it
-    /// ([`BatchNorm::forward_relu6_depthwise`]), except after `Conv2d_11_pointwise`, whose
-    /// activations are also a feature map.
+    /// depthwise unit applies the BatchNorm + ReLU6 of the unit before it
+    /// ([`ConvBnRelu6::forward_after`]), except after `Conv2d_11_pointwise`, whose activations
+    /// are also a feature map.
     pub fn forward(&self, x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let mut x = Activation::Pending(apply_conv(&self.conv0.conv, x), &self.conv0.bn);
         let mut conv11 = None;
         for (i, block) in self.blocks.iter().enumerate() {
-            let depthwise = &block.depthwise.conv;
             let y = match x {
-                Activation::Pending(x, bn) => bn.forward_relu6_depthwise(x, depthwise),
-                Activation::Normalised(x) => apply_conv(depthwise, x),
+                Activation::Pending(x, bn) => block.depthwise.forward_after(x, bn),
+                Activation::Normalised(x) => block.depthwise.forward(x),
             };
-            let y = block.depthwise.bn.forward_relu6(y);
             x = Activation::Pending(apply_conv(&block.pointwise.conv, y), &block.pointwise.bn);
             if i == 10 {
                 let map = x.normalised();

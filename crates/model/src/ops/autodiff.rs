@@ -9,7 +9,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{BatchNormOutput, ConvGradsWanted, SsdBackend};
+use super::{BatchNormOutput, ConvGradsWanted, DepthwiseBetweenOutput, SsdBackend};
 
 /// What a convolution's backward pass needs: input, filters, stride, depthwise.
 type ConvState<B> = (FloatTensor<B>, FloatTensor<B>, usize, bool);
@@ -75,37 +75,39 @@ impl<B: SsdBackend> Backward<B, 3> for BatchNormRelu6 {
     }
 }
 
-/// Input, gamma, beta, mean, variance, epsilon, depthwise filters and stride of a
-/// BatchNorm + ReLU6 + depthwise convolution.
-type BatchNormDepthwiseState<B> = (BatchNormState<B>, FloatTensor<B>, usize);
+/// What a [`DepthwiseBetweenBatchNorms`] node's backward pass needs: the input and the
+/// convolution's output; the first BatchNorm's `[gamma, beta, mean, variance]`; filters and
+/// stride; the second BatchNorm's; both epsilons.
+type DepthwiseBetweenState<B> = (
+    [FloatTensor<B>; 2],
+    [FloatTensor<B>; 4],
+    (FloatTensor<B>, usize),
+    [FloatTensor<B>; 4],
+    [f64; 2],
+);
 
-/// A BatchNorm + ReLU6 + depthwise convolution node (parents x, gamma, beta, filters).
+/// A BatchNorm + ReLU6, depthwise convolution, BatchNorm + ReLU6 node (parents x, gamma,
+/// beta, filters, gamma, beta).
 #[derive(Debug)]
-struct BatchNormRelu6Depthwise;
+struct DepthwiseBetweenBatchNorms;
 
-impl<B: SsdBackend> Backward<B, 4> for BatchNormRelu6Depthwise {
-    type State = BatchNormDepthwiseState<B>;
+impl<B: SsdBackend> Backward<B, 6> for DepthwiseBetweenBatchNorms {
+    type State = DepthwiseBetweenState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_gamma, node_beta, node_weight] = ops.parents;
+    fn backward(self, ops: Ops<Self::State, 6>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let ((x, gamma, beta, mean, variance, epsilon), weight, stride) = ops.state;
-        let out = B::batch_norm_relu6_depthwise_backward(
-            x,
-            grad,
-            [gamma, beta],
-            [mean, variance],
-            epsilon,
+        let ([x, conv], before, weight, after, epsilon) = ops.state;
+        let out = B::depthwise_between_batch_norms_backward(
+            (x, conv, grad),
+            before,
             weight,
-            stride,
+            after,
+            epsilon,
         );
-        let bn = out.batch_norm;
-        for (node, value) in [
-            (node_x, bn.x),
-            (node_gamma, bn.gamma),
-            (node_beta, bn.beta),
-            (node_weight, out.weight),
-        ] {
+        let [gamma, beta] = out.before;
+        let [gamma_after, beta_after] = out.after;
+        let values = [out.x, gamma, beta, out.weight, gamma_after, beta_after];
+        for (node, value) in ops.parents.into_iter().zip(values) {
             if let Some(node) = node {
                 grads.register::<B>(node.id, value);
             }
@@ -256,44 +258,58 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
         }
     }
 
-    fn batch_norm_relu6_depthwise(
+    fn depthwise_between_batch_norms(
         x: FloatTensor<Self>,
         [gamma, beta]: [FloatTensor<Self>; 2],
-        epsilon: f64,
-        weight: FloatTensor<Self>,
-        stride: usize,
-    ) -> BatchNormOutput<Self> {
-        let inner = B::batch_norm_relu6_depthwise(
+        (weight, stride): (FloatTensor<Self>, usize),
+        [gamma_after, beta_after]: [FloatTensor<Self>; 2],
+        epsilon: [f64; 2],
+    ) -> DepthwiseBetweenOutput<Self> {
+        let inner = B::depthwise_between_batch_norms(
             x.primitive.clone(),
             [gamma.primitive.clone(), beta.primitive.clone()],
+            (weight.primitive.clone(), stride),
+            [gamma_after.primitive.clone(), beta_after.primitive.clone()],
             epsilon,
-            weight.primitive.clone(),
-            stride,
         );
+        let [mean, variance, mean_after, variance_after] = inner.stats;
         let state = (
-            (
-                x.primitive,
+            [x.primitive, inner.conv.clone()],
+            [
                 gamma.primitive,
                 beta.primitive,
-                inner.mean.clone(),
-                inner.variance.clone(),
-                epsilon,
-            ),
-            weight.primitive,
-            stride,
+                mean.clone(),
+                variance.clone(),
+            ],
+            (weight.primitive, stride),
+            [
+                gamma_after.primitive,
+                beta_after.primitive,
+                mean_after.clone(),
+                variance_after.clone(),
+            ],
+            epsilon,
         );
-        let y = match BatchNormRelu6Depthwise
-            .prepare::<C>([x.node, gamma.node, beta.node, weight.node])
+        let parents = [
+            x.node,
+            gamma.node,
+            beta.node,
+            weight.node,
+            gamma_after.node,
+            beta_after.node,
+        ];
+        let y = match DepthwiseBetweenBatchNorms
+            .prepare::<C>(parents)
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => prep.finish(state, inner.y),
             OpsKind::UnTracked(prep) => prep.finish(inner.y),
         };
-        BatchNormOutput {
+        DepthwiseBetweenOutput {
             y,
-            mean: Self::from_inner(inner.mean),
-            variance: Self::from_inner(inner.variance),
+            conv: Self::from_inner(inner.conv),
+            stats: [mean, variance, mean_after, variance_after].map(Self::from_inner),
         }
     }
 }

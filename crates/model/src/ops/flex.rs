@@ -8,8 +8,8 @@ use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use super::cpu::{self, Conv};
 use super::{
-    BatchNormDepthwiseGrads, BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted,
-    RmsPropState, RmsPropStep, SsdBackend, reference,
+    BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted, DepthwiseBetweenGrads,
+    DepthwiseBetweenOutput, RmsPropState, RmsPropStep, SsdBackend, reference,
 };
 
 /// A tensor whose values are one contiguous run of its buffer: the tensor itself when they
@@ -193,77 +193,89 @@ impl SsdBackend for Flex {
         }
     }
 
-    fn batch_norm_relu6_depthwise(
+    fn depthwise_between_batch_norms(
         x: FloatTensor<Self>,
-        [gamma, beta]: [FloatTensor<Self>; 2],
-        epsilon: f64,
-        weight: FloatTensor<Self>,
-        stride: usize,
-    ) -> BatchNormOutput<Self> {
-        if !all_f32(&[&x, &gamma, &beta, &weight]) {
-            return reference::batch_norm_relu6_depthwise::<Self>(
+        before: [FloatTensor<Self>; 2],
+        (weight, stride): (FloatTensor<Self>, usize),
+        after: [FloatTensor<Self>; 2],
+        epsilon: [f64; 2],
+    ) -> DepthwiseBetweenOutput<Self> {
+        let [b0, b1] = &before;
+        let [a0, a1] = &after;
+        if !all_f32(&[&x, b0, b1, &weight, a0, a1]) {
+            return reference::depthwise_between_batch_norms::<Self>(
                 x,
-                [gamma, beta],
+                before,
+                (weight, stride),
+                after,
                 epsilon,
-                weight,
-                stride,
             );
         }
         let g = geometry(&x, &weight, stride);
-        let [x, gamma, beta, weight] = [&x, &gamma, &beta, &weight].map(contiguous);
-        let (y, mean, variance) = cpu::batch_norm_relu6_depthwise(
+        let x = contiguous(&x);
+        let weight = contiguous(&weight);
+        let before = before.map(|t| contiguous(&t));
+        let after = after.map(|t| contiguous(&t));
+        let out = cpu::depthwise_between_batch_norms(
             &g,
             values(&x),
-            [values(&gamma), values(&beta)],
-            epsilon as f32,
-            values(&weight),
+            (
+                before.each_ref().map(values),
+                values(&weight),
+                after.each_ref().map(values),
+            ),
+            epsilon.map(|e| e as f32),
         );
-        BatchNormOutput {
-            y: output(y, [g.batch, g.out_channels, g.out_height, g.out_width]),
-            mean: output(mean, [g.in_channels]),
-            variance: output(variance, [g.in_channels]),
+        let shape = [g.batch, g.out_channels, g.out_height, g.out_width];
+        DepthwiseBetweenOutput {
+            y: output(out.y, shape),
+            conv: output(out.conv, shape),
+            stats: out.stats.map(|s| output(s, [g.in_channels])),
         }
     }
 
-    fn batch_norm_relu6_depthwise_backward(
-        x: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        [gamma, beta]: [FloatTensor<Self>; 2],
-        [mean, variance]: [FloatTensor<Self>; 2],
-        epsilon: f64,
-        weight: FloatTensor<Self>,
-        stride: usize,
-    ) -> BatchNormDepthwiseGrads<Self> {
-        if !all_f32(&[&x, &grad, &gamma, &beta, &mean, &variance, &weight]) {
-            return reference::batch_norm_relu6_depthwise_backward::<Self>(
-                x,
-                grad,
-                [gamma, beta],
-                [mean, variance],
+    fn depthwise_between_batch_norms_backward(
+        (x, conv, grad): (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>),
+        before: [FloatTensor<Self>; 4],
+        (weight, stride): (FloatTensor<Self>, usize),
+        after: [FloatTensor<Self>; 4],
+        epsilon: [f64; 2],
+    ) -> DepthwiseBetweenGrads<Self> {
+        let tensors: Vec<&FlexTensor> = [&x, &conv, &grad, &weight]
+            .into_iter()
+            .chain(&before)
+            .chain(&after)
+            .collect();
+        if !all_f32(&tensors) {
+            return reference::depthwise_between_batch_norms_backward::<Self>(
+                (x, conv, grad),
+                before,
+                (weight, stride),
+                after,
                 epsilon,
-                weight,
-                stride,
             );
         }
         let g = geometry(&x, &weight, stride);
         let (x_shape, w_shape) = (x.shape(), weight.shape());
-        let [x, grad, gamma, beta, mean, variance, weight] =
-            [&x, &grad, &gamma, &beta, &mean, &variance, &weight].map(contiguous);
-        let [dx, dgamma, dbeta, dweight] = cpu::batch_norm_relu6_depthwise_backward(
-            &g,
-            (values(&x), values(&grad)),
-            [values(&gamma), values(&beta)],
-            [values(&mean), values(&variance)],
-            epsilon as f32,
-            values(&weight),
-        );
-        BatchNormDepthwiseGrads {
-            batch_norm: BatchNormGrads {
-                x: output(dx, x_shape),
-                gamma: output(dgamma, [g.in_channels]),
-                beta: output(dbeta, [g.in_channels]),
-            },
+        let [x, conv, grad, weight] = [&x, &conv, &grad, &weight].map(contiguous);
+        let before = before.each_ref().map(contiguous);
+        let after = after.each_ref().map(contiguous);
+        let [dx, dgamma, dbeta, dweight, dgamma_after, dbeta_after] =
+            cpu::depthwise_between_batch_norms_backward(
+                &g,
+                (values(&x), values(&conv), values(&grad)),
+                (
+                    (before.each_ref().map(values), epsilon[0] as f32),
+                    values(&weight),
+                    (after.each_ref().map(values), epsilon[1] as f32),
+                ),
+            );
+        let channels = |v: Vec<f32>| output(v, [g.in_channels]);
+        DepthwiseBetweenGrads {
+            x: output(dx, x_shape),
+            before: [channels(dgamma), channels(dbeta)],
             weight: output(dweight, w_shape),
+            after: [channels(dgamma_after), channels(dbeta_after)],
         }
     }
 

@@ -63,13 +63,28 @@ pub struct BatchNormGrads<B: Backend> {
     pub beta: FloatTensor<B>,
 }
 
-/// Gradients of [`SsdBackend::batch_norm_relu6_depthwise`].
+/// Outputs of [`SsdBackend::depthwise_between_batch_norms`].
 #[derive(Debug)]
-pub struct BatchNormDepthwiseGrads<B: Backend> {
-    /// Gradients of the BatchNorm's input, scale and offset.
-    pub batch_norm: BatchNormGrads<B>,
+pub struct DepthwiseBetweenOutput<B: Backend> {
+    /// The second BatchNorm + ReLU6's output.
+    pub y: FloatTensor<B>,
+    /// The convolution's output, the second BatchNorm's input (its backward pass reads it).
+    pub conv: FloatTensor<B>,
+    /// Per-channel batch mean and biased variance of the first BatchNorm, then of the second.
+    pub stats: [FloatTensor<B>; 4],
+}
+
+/// Gradients of [`SsdBackend::depthwise_between_batch_norms`].
+#[derive(Debug)]
+pub struct DepthwiseBetweenGrads<B: Backend> {
+    /// Gradient of the input.
+    pub x: FloatTensor<B>,
+    /// Gradients of the first BatchNorm's scale and offset.
+    pub before: [FloatTensor<B>; 2],
     /// Gradient of the depthwise filters.
     pub weight: FloatTensor<B>,
+    /// Gradients of the second BatchNorm's scale and offset.
+    pub after: [FloatTensor<B>; 2],
 }
 
 /// The constants of one [`SsdBackend::rmsprop_update`] (`tf.train.RMSPropOptimizer`).
@@ -150,40 +165,45 @@ pub trait SsdBackend: Backend {
         reference::batch_norm_relu6_backward::<Self>(x, grad, gamma, beta, mean, variance, epsilon)
     }
 
-    /// Training-mode BatchNorm + ReLU6 of `x` ([`SsdBackend::batch_norm_relu6`]) followed by
-    /// a depthwise convolution of the result ([`SsdBackend::conv_same`], no bias), as one
-    /// operation: `y` is the convolution's output. The CPU backend never stores the
-    /// normalised activations, which saves writing them and reading them back.
-    fn batch_norm_relu6_depthwise(
+    /// Training-mode BatchNorm + ReLU6 of `x` with `before` (`[gamma, beta]`,
+    /// [`SsdBackend::batch_norm_relu6`]), a depthwise convolution of the result
+    /// ([`SsdBackend::conv_same`], no bias), then BatchNorm + ReLU6 with `after`, as one
+    /// operation; `epsilon` is each BatchNorm's. The CPU backend runs it channel by channel
+    /// and never stores the first BatchNorm's output, which saves writing the activations
+    /// between the operations and reading them back (and their gradients in the backward
+    /// pass).
+    fn depthwise_between_batch_norms(
         x: FloatTensor<Self>,
-        [gamma, beta]: [FloatTensor<Self>; 2],
-        epsilon: f64,
-        weight: FloatTensor<Self>,
-        stride: usize,
-    ) -> BatchNormOutput<Self> {
-        reference::batch_norm_relu6_depthwise::<Self>(x, [gamma, beta], epsilon, weight, stride)
+        before: [FloatTensor<Self>; 2],
+        (weight, stride): (FloatTensor<Self>, usize),
+        after: [FloatTensor<Self>; 2],
+        epsilon: [f64; 2],
+    ) -> DepthwiseBetweenOutput<Self> {
+        reference::depthwise_between_batch_norms::<Self>(
+            x,
+            before,
+            (weight, stride),
+            after,
+            epsilon,
+        )
     }
 
-    /// Backward pass of [`SsdBackend::batch_norm_relu6_depthwise`] for the output gradient
-    /// `grad`, given its input, parameters and batch statistics.
-    #[allow(clippy::too_many_arguments)]
-    fn batch_norm_relu6_depthwise_backward(
-        x: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        [gamma, beta]: [FloatTensor<Self>; 2],
-        [mean, variance]: [FloatTensor<Self>; 2],
-        epsilon: f64,
-        weight: FloatTensor<Self>,
-        stride: usize,
-    ) -> BatchNormDepthwiseGrads<Self> {
-        reference::batch_norm_relu6_depthwise_backward::<Self>(
-            x,
-            grad,
-            [gamma, beta],
-            [mean, variance],
+    /// Backward pass of [`SsdBackend::depthwise_between_batch_norms`] for the output
+    /// gradient `grad`, given its input `x`, the convolution's output `conv`, and each
+    /// BatchNorm's `[gamma, beta, mean, variance]`.
+    fn depthwise_between_batch_norms_backward(
+        (x, conv, grad): (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>),
+        before: [FloatTensor<Self>; 4],
+        (weight, stride): (FloatTensor<Self>, usize),
+        after: [FloatTensor<Self>; 4],
+        epsilon: [f64; 2],
+    ) -> DepthwiseBetweenGrads<Self> {
+        reference::depthwise_between_batch_norms_backward::<Self>(
+            (x, conv, grad),
+            before,
+            (weight, stride),
+            after,
             epsilon,
-            weight,
-            stride,
         )
     }
 
@@ -315,18 +335,23 @@ pub fn batch_norm_relu6<B: SsdBackend>(
     (tensor(out.y), tensor(out.mean), tensor(out.variance))
 }
 
-/// [`SsdBackend::batch_norm_relu6_depthwise`] on tensors: `(y, mean, variance)`, `y` the
-/// depthwise convolution's output; the statistics carry no gradient.
-pub fn batch_norm_relu6_depthwise<B: SsdBackend>(
+/// [`SsdBackend::depthwise_between_batch_norms`] on tensors: the output and `[mean, variance]`
+/// of the first BatchNorm then of the second; the statistics carry no gradient.
+pub fn depthwise_between_batch_norms<B: SsdBackend>(
     x: Tensor<B, 4>,
-    [gamma, beta]: [Tensor<B, 1>; 2],
-    epsilon: f64,
-    weight: Tensor<B, 4>,
-    stride: usize,
-) -> (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) {
-    let params = [prim(gamma), prim(beta)];
-    let out = B::batch_norm_relu6_depthwise(prim(x), params, epsilon, prim(weight), stride);
-    (tensor(out.y), tensor(out.mean), tensor(out.variance))
+    before: [Tensor<B, 1>; 2],
+    (weight, stride): (Tensor<B, 4>, usize),
+    after: [Tensor<B, 1>; 2],
+    epsilon: [f64; 2],
+) -> (Tensor<B, 4>, [Tensor<B, 1>; 4]) {
+    let out = B::depthwise_between_batch_norms(
+        prim(x),
+        before.map(prim),
+        (prim(weight), stride),
+        after.map(prim),
+        epsilon,
+    );
+    (tensor(out.y), out.stats.map(tensor))
 }
 
 /// [`SsdBackend::sigmoid_cross_entropy`] on tensors.

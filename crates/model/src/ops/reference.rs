@@ -9,8 +9,8 @@ use burn::tensor::{Tensor, TensorMetadata};
 
 use super::cpu::same_padding;
 use super::{
-    BatchNormDepthwiseGrads, BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted,
-    RmsPropState, RmsPropStep, SsdBackend, prim, tensor,
+    BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted, DepthwiseBetweenGrads,
+    DepthwiseBetweenOutput, RmsPropState, RmsPropStep, SsdBackend, prim, tensor,
 };
 
 /// `x` padded as TF "SAME" pads it for this kernel and stride, with the convolution options
@@ -153,32 +153,42 @@ pub fn batch_norm_relu6_backward<B: Backend>(
     }
 }
 
-/// [`SsdBackend::batch_norm_relu6_depthwise`] as the two operations one after the other.
-pub fn batch_norm_relu6_depthwise<B: SsdBackend>(
+/// [`SsdBackend::depthwise_between_batch_norms`] as the three operations one after the other.
+pub fn depthwise_between_batch_norms<B: SsdBackend>(
     x: FloatTensor<B>,
     [gamma, beta]: [FloatTensor<B>; 2],
-    epsilon: f64,
-    weight: FloatTensor<B>,
-    stride: usize,
-) -> BatchNormOutput<B> {
-    let normalised = B::batch_norm_relu6(x, gamma, beta, epsilon);
-    BatchNormOutput {
-        y: B::conv_same(normalised.y, weight, None, stride, true),
-        ..normalised
+    (weight, stride): (FloatTensor<B>, usize),
+    [gamma_after, beta_after]: [FloatTensor<B>; 2],
+    [epsilon, epsilon_after]: [f64; 2],
+) -> DepthwiseBetweenOutput<B> {
+    let first = B::batch_norm_relu6(x, gamma, beta, epsilon);
+    let conv = B::conv_same(first.y, weight, None, stride, true);
+    let second = B::batch_norm_relu6(conv.clone(), gamma_after, beta_after, epsilon_after);
+    DepthwiseBetweenOutput {
+        y: second.y,
+        conv,
+        stats: [first.mean, first.variance, second.mean, second.variance],
     }
 }
 
-/// [`SsdBackend::batch_norm_relu6_depthwise_backward`] as the two backward passes one after
-/// the other, the normalised activations recomputed from the batch statistics.
-pub fn batch_norm_relu6_depthwise_backward<B: SsdBackend>(
-    x: FloatTensor<B>,
-    grad: FloatTensor<B>,
-    [gamma, beta]: [FloatTensor<B>; 2],
-    [mean, variance]: [FloatTensor<B>; 2],
-    epsilon: f64,
-    weight: FloatTensor<B>,
-    stride: usize,
-) -> BatchNormDepthwiseGrads<B> {
+/// [`SsdBackend::depthwise_between_batch_norms_backward`] as the three backward passes one
+/// after the other, the first BatchNorm's output recomputed from its batch statistics.
+pub fn depthwise_between_batch_norms_backward<B: SsdBackend>(
+    (x, conv, grad): (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
+    [gamma, beta, mean, variance]: [FloatTensor<B>; 4],
+    (weight, stride): (FloatTensor<B>, usize),
+    [gamma_after, beta_after, mean_after, variance_after]: [FloatTensor<B>; 4],
+    [epsilon, epsilon_after]: [f64; 2],
+) -> DepthwiseBetweenGrads<B> {
+    let second = B::batch_norm_relu6_backward(
+        conv,
+        grad,
+        gamma_after,
+        beta_after,
+        mean_after,
+        variance_after,
+        epsilon_after,
+    );
     let inv_std = tensor::<B, 1>(variance.clone())
         .add_scalar(epsilon)
         .sqrt()
@@ -190,11 +200,14 @@ pub fn batch_norm_relu6_depthwise_backward<B: SsdBackend>(
         x: true,
         bias: false,
     };
-    let conv = B::conv_same_backward(normalised, weight, grad, stride, true, wanted);
+    let conv = B::conv_same_backward(normalised, weight, second.x, stride, true, wanted);
     let dy = conv.x.expect("the input gradient was asked for");
-    BatchNormDepthwiseGrads {
-        batch_norm: B::batch_norm_relu6_backward(x, dy, gamma, beta, mean, variance, epsilon),
+    let first = B::batch_norm_relu6_backward(x, dy, gamma, beta, mean, variance, epsilon);
+    DepthwiseBetweenGrads {
+        x: first.x,
+        before: [first.gamma, first.beta],
         weight: conv.weight,
+        after: [second.gamma, second.beta],
     }
 }
 
