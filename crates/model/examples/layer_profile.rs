@@ -5,8 +5,9 @@
 //! totals (with the depthwise layers' share) and the classification loss (sigmoid
 //! cross-entropy over every anchor's logits). Training runs most depthwise layers together
 //! with the BatchNorm + ReLU6 before and after them (`depthwise_between_batch_norms`): those
-//! rows add the fused operation's time, and the totals compare it with the three operations
-//! apart. Where a training step's time goes, layer by layer:
+//! rows add the three operations' time one after the other (each output a new buffer, as
+//! a training step makes them) and fused, and sum both. Where a training step's time goes,
+//! layer by layer:
 //!
 //! `cargo run --release -p model --example layer_profile [-- BATCH]`
 
@@ -100,8 +101,6 @@ fn main() {
     // the fused layers: their convolutions and the BatchNorm + ReLU6 before and after them,
     // apart and fused (forward, backward)
     let (mut apart, mut fused) = ([0.0f64; 2], [0.0f64; 2]);
-    // the BatchNorm + ReLU6 times of the layer before
-    let mut bn_before = [0.0f64; 2];
     for (i, (cin, cout, size, stride, kind)) in network().into_iter().enumerate() {
         // the first layer's input is the images: no input gradient
         let with_dx = i > 0;
@@ -169,29 +168,16 @@ fn main() {
             *t += v;
         }
         let fused_ms = (kind == Kind::FusedDepthwise).then(|| {
-            let (gamma, beta) = (vec![1.0f32; cin], vec![0.1f32; cin]);
-            let params = [gamma.as_slice(), beta.as_slice()];
-            let with = (params, w.as_slice(), params);
-            let eps = [0.001, 0.001];
-            let fwd = || cpu::depthwise_between_batch_norms(&g, &x, with, eps);
-            let out = fwd();
-            let stats = |i: usize| [gamma.as_slice(), &beta, &out.stats[i], &out.stats[i + 1]];
-            let state = ((stats(0), 0.001), w.as_slice(), (stats(2), 0.001));
-            let fwd_ms = mean_ms(|| drop(fwd()));
-            let bwd_ms = mean_ms(|| {
-                let inputs = (x.as_slice(), out.conv.as_slice(), out.y.as_slice());
-                drop(cpu::depthwise_between_batch_norms_backward(
-                    &g, inputs, state,
-                ));
-            });
-            let this = [conv_fwd + bn_fwd, conv_bwd + bn_bwd];
+            let [ms_apart, ms_fused] = fused_against_apart(&g, &x, &w);
             for i in 0..2 {
-                fused[i] += [fwd_ms, bwd_ms][i];
-                apart[i] += bn_before[i] + this[i];
+                apart[i] += ms_apart[i];
+                fused[i] += ms_fused[i];
             }
-            format!(" | fused with both bns: fwd {fwd_ms:5.1} bwd {bwd_ms:5.1}")
+            format!(
+                " | with both bns apart: fwd {:5.1} bwd {:5.1}, fused: fwd {:5.1} bwd {:5.1}",
+                ms_apart[0], ms_apart[1], ms_fused[0], ms_fused[1]
+            )
         });
-        bn_before = [bn_fwd, bn_bwd];
         println!(
             "{cin:5} -> {cout:5} at {size:3}x{size:<3} s{stride} {:9}: conv fwd {conv_fwd:6.1} bwd {conv_bwd:6.1} | bn+relu6 fwd {bn_fwd:5.1} bwd {bn_bwd:5.1}{}",
             match kind {
@@ -211,6 +197,55 @@ fn main() {
         apart[0], apart[1], fused[0], fused[1]
     );
     classification_loss(batch, anchors(&SsdConfig::default()).len());
+}
+
+/// `[forward, backward]` ms of BatchNorm + ReLU6, the depthwise convolution `g`, BatchNorm +
+/// ReLU6 on `x`: one after the other (each output a new buffer, as the training step makes
+/// them), then fused (`depthwise_between_batch_norms`).
+fn fused_against_apart(g: &Conv, x: &[f32], w: &[f32]) -> [[f64; 2]; 2] {
+    let (c, batch) = (g.in_channels, g.batch);
+    let (plane, out_plane) = (g.height * g.width, g.out_height * g.out_width);
+    let (gamma, beta) = (vec![1.0f32; c], vec![0.1f32; c]);
+    let params = [gamma.as_slice(), beta.as_slice()];
+    let eps = 0.001;
+    let normalised =
+        |x: &[f32], plane: usize| cpu::batch_norm_relu6(x, [batch, plane], &gamma, &beta, eps);
+    let forward = || {
+        let (x_norm, mean, var) = normalised(x, plane);
+        let conv = cpu::depthwise_forward(g, &x_norm, w);
+        let (y, mean_after, var_after) = normalised(&conv, out_plane);
+        (x_norm, [mean, var, mean_after, var_after], conv, y)
+    };
+    let (x_norm, stats, conv, dy) = forward();
+    let backward = || {
+        let after = [stats[2].as_slice(), &stats[3]];
+        let dims = [batch, out_plane];
+        let (dconv, _, _) = cpu::batch_norm_relu6_backward(&conv, &dy, dims, params, after, eps);
+        let (dx_norm, _) = cpu::depthwise_backward(g, &x_norm, w, &dconv);
+        let before = [stats[0].as_slice(), &stats[1]];
+        drop(cpu::batch_norm_relu6_backward(
+            x,
+            &dx_norm,
+            [batch, plane],
+            params,
+            before,
+            eps,
+        ));
+    };
+    let apart = [mean_ms(|| drop(forward())), mean_ms(backward)];
+    let with = (params, w, params);
+    let fused_forward = || cpu::depthwise_between_batch_norms(g, x, with, [eps; 2]);
+    let fused_backward = || {
+        let state = |i: usize| ([gamma.as_slice(), &beta, &stats[i], &stats[i + 1]], eps);
+        let inputs = (x, conv.as_slice(), dy.as_slice());
+        drop(cpu::depthwise_between_batch_norms_backward(
+            g,
+            inputs,
+            (state(0), w, state(2)),
+        ));
+    };
+    let fused = [mean_ms(|| drop(fused_forward())), mean_ms(fused_backward)];
+    [apart, fused]
 }
 
 /// The classification loss of the default config: sigmoid cross-entropy over every anchor's
