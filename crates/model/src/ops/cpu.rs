@@ -853,9 +853,13 @@ struct DepthwiseScratch {
 /// How the depthwise kernels run planes of one geometry: row by row from the source
 /// ([`is_direct`]), or through the padded layout of [`Padded`], block by block.
 struct Depthwise {
+    /// The convolution's geometry.
     g: Conv,
+    /// The padded, phase-split layout of an input plane.
     padded: Padded,
+    /// The output rows computed as one run each ([`Padded::blocks`]).
     blocks: Vec<(usize, usize)>,
+    /// Planes run row by row from their source ([`is_direct`]).
     direct: bool,
     /// The backward pass gathers the input gradient per phase plane ([`gather_phase`]): a
     /// 3x3 filter at stride 1 or 2.
