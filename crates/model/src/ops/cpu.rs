@@ -755,16 +755,18 @@ fn correlate3x3_plane(
     out: &mut [MaybeUninit<f32>],
 ) {
     let inner = width - 2;
-    // the runs kernel row `ky` reads for output row `oy`, by kernel column
+    // the source row kernel row `ky` reads for output row `oy`
+    let row = |oy: usize, ky: usize| &src[(oy + ky - 1) * width..][..width];
+    // its runs, by kernel column
     let runs = |oy: usize, ky: usize| {
-        let r = &src[(oy + ky - 1) * width..][..width];
+        let r = row(oy, ky);
         [&r[..inner], &r[1..][..inner], &r[2..][..inner]]
     };
     for (oy, o) in out.chunks_exact_mut(width).take(height).enumerate() {
         let rows = kernel_rows_inside(oy, height);
         let (mut left, mut right) = (0.0f32, 0.0f32);
         for ky in rows.clone() {
-            let r = &src[(oy + ky - 1) * width..][..width];
+            let r = row(oy, ky);
             let w = &f[ky * 3..][..3];
             left += w[1] * r[0] + w[2] * r[1];
             right += w[0] * r[width - 2] + w[1] * r[width - 1];
@@ -1570,9 +1572,23 @@ impl ChannelSums {
     }
 }
 
-/// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`, channel by channel: the sums
-/// over its planes ([`ChannelSums`]), then its input gradient from the planes the sums just
-/// brought into the cache.
+/// One channel's BatchNorm + ReLU6 backward pass: the sums over its `(input, output
+/// gradient)` planes ([`ChannelSums`]), then its input-gradient planes into `out` from the
+/// planes the sums just brought into the cache; returns `(dgamma, dbeta)`.
+fn channel_backward<'a, 'o>(
+    channel: &ChannelGrad,
+    planes: impl Iterator<Item = (&'a [f32], &'a [f32])> + Clone,
+    out: impl Iterator<Item = &'o mut [MaybeUninit<f32>]>,
+) -> (f32, f32) {
+    let mut sums = ChannelSums::default();
+    for (xs, gs) in planes.clone() {
+        sums.add(channel, xs, gs);
+    }
+    sums.finish(channel, planes, out)
+}
+
+/// Gradients of [`batch_norm_relu6`]: `(dx, dgamma, dbeta)`, channel by channel
+/// ([`channel_backward`]).
 pub fn batch_norm_relu6_backward(
     x: &[f32],
     dy: &[f32],
@@ -1589,13 +1605,9 @@ pub fn batch_norm_relu6_backward(
         .map(|c| {
             let channel = ChannelGrad::new([gamma[c], beta[c], mean[c], variance[c]], epsilon);
             let planes = channel_planes(x, dims, c).zip(channel_planes(dy, dims, c));
-            let mut sums = ChannelSums::default();
-            for (xs, gs) in planes.clone() {
-                sums.add(&channel, xs, gs);
-            }
             // SAFETY: this task is the only one writing channel `c`.
             let dst = (0..batch).map(|b| unsafe { out.plane(b, c) });
-            sums.finish(&channel, planes, dst)
+            channel_backward(&channel, planes, dst)
         })
         .unzip();
     // SAFETY: every channel's `batch` planes were written above.
@@ -1712,32 +1724,31 @@ pub fn depthwise_between_batch_norms_backward(
     let (in_dims, out_dims) = ([g.batch, c, plane], [g.batch, c, g.out_plane()]);
     let mut dx: Vec<f32> = Vec::with_capacity(x.len());
     let out = ChannelOutput::new(&mut dx.spare_capacity_mut()[..x.len()], in_dims);
-    let per_channel = |params: [&[f32]; 4], epsilon: f32, ch: usize| {
+    let channel_grad = |(params, epsilon): BatchNormState<'_>, ch: usize| {
         ChannelGrad::new(params.map(|p| p[ch]), epsilon)
     };
     let per_channel: Vec<([f32; 4], Vec<f32>)> = (0..c)
         .into_par_iter()
         .map_init(
-            || (plan.scratch(), Vec::new(), Vec::new(), Vec::new()),
-            |(scratch, normalised, conv_grads, grads), ch| {
+            || {
+                let buffers = (Vec::new(), Vec::new(), Vec::new(), vec![0.0f32; kk]);
+                (plan.scratch(), buffers)
+            },
+            |(scratch, (normalised, conv_grads, grads, image)), ch| {
                 // the second BatchNorm
-                let channel = per_channel(after.0, after.1, ch);
+                let channel = channel_grad(after, ch);
                 let planes =
                     channel_planes(conv, out_dims, ch).zip(channel_planes(dy, out_dims, ch));
-                let mut sums = ChannelSums::default();
-                for (xs, gs) in planes.clone() {
-                    sums.add(&channel, xs, gs);
-                }
                 conv_grads.resize(g.batch * g.out_plane(), 0.0);
                 let dst = conv_grads.chunks_mut(out_plane).map(as_uninit);
-                let (dgamma_after, dbeta_after) = sums.finish(&channel, planes, dst);
+                let (dgamma_after, dbeta_after) = channel_backward(&channel, planes, dst);
 
                 // the convolution, then the first BatchNorm's sums
-                let channel = per_channel(before.0, before.1, ch);
+                let channel = channel_grad(before, ch);
                 let (s, t) = channel.affine;
                 let filter = &weight[ch * kk..][..kk];
                 // the filter gradient summed image by image, as `depthwise_backward` does
-                let (mut dfilter, mut image) = (vec![0.0f32; kk], vec![0.0f32; kk]);
+                let mut dfilter = vec![0.0f32; kk];
                 let mut sums = ChannelSums::default();
                 grads.resize(g.batch * plane, 0.0);
                 let inputs = channel_planes(x, in_dims, ch).zip(conv_grads.chunks(out_plane));
@@ -1745,8 +1756,8 @@ pub fn depthwise_between_batch_norms_backward(
                     let normal = scaled_relu6_into(normalised, src, s, t);
                     image.fill(0.0);
                     let dst_uninit = as_uninit(dst);
-                    plan.backward_plane((normal, grad), filter, dst_uninit, &mut image, scratch);
-                    axpy(&mut dfilter, 1.0, &image);
+                    plan.backward_plane((normal, grad), filter, dst_uninit, image, scratch);
+                    axpy(&mut dfilter, 1.0, image);
                     // while the plane's gradient is in the cache
                     sums.add(&channel, src, dst);
                 }

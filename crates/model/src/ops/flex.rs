@@ -212,10 +212,9 @@ impl SsdBackend for Flex {
             );
         }
         let g = geometry(&x, &weight, stride);
-        let x = contiguous(&x);
-        let weight = contiguous(&weight);
-        let before = before.map(|t| contiguous(&t));
-        let after = after.map(|t| contiguous(&t));
+        let [x, weight] = [&x, &weight].map(contiguous);
+        let before = before.each_ref().map(contiguous);
+        let after = after.each_ref().map(contiguous);
         let out = cpu::depthwise_between_batch_norms(
             &g,
             values(&x),
