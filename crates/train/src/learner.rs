@@ -40,8 +40,8 @@ use crate::events::EventWriter;
 use crate::metrics::{COCO_NAMES, Metrics, evaluate};
 use crate::optim::{TfOptimizer, clip_by_global_norm};
 use crate::sync::{
-    GradientSync, InProcessAllReduce, bn_stats_flat, flatten_gradients, set_bn_stats_flat,
-    unflatten_gradients, weight_checksum,
+    Bucketing, GradientSync, InProcessAllReduce, bn_stats_flat, flatten_gradients,
+    set_bn_stats_flat, unflatten_gradients, weight_checksum,
 };
 
 type Train<B> = Autodiff<B>;
@@ -150,6 +150,8 @@ struct Replica<B: SsdBackend> {
     config: Arc<TrainConfig>,
     anchors: Arc<Vec<BBox>>,
     sync: Arc<dyn GradientSync<B>>,
+    /// How the gradients travel through `sync`.
+    bucketing: Bucketing,
 }
 
 /// The values of a small tensor, on the host.
@@ -234,7 +236,7 @@ impl<B: SsdBackend> Replica<B> {
             return Ok((grads, to_host(tail)?, 0.0));
         }
         let tail_len = tail.dims()[0];
-        let (layout, buckets) = flatten_gradients(self.model(), grads, Some(tail));
+        let (layout, buckets) = flatten_gradients(self.model(), grads, Some(tail), self.bucketing);
         let start = Instant::now();
         let buckets = self.sync.all_reduce_mean(self.index, buckets)?;
         let sync_seconds = start.elapsed().as_secs_f64();
@@ -509,6 +511,7 @@ pub fn train<B: SsdBackend>(
         }
         None => Arc::new(InProcessAllReduce::<B>::new(replicas)),
     };
+    let bucketing = Bucketing::for_replicas(devices, options.cluster.is_some());
     let (reply_tx, reply_rx) = channel();
     let mut senders = Vec::new();
     let mut handles = Vec::new();
@@ -552,6 +555,7 @@ pub fn train<B: SsdBackend>(
             config: shared_config.clone(),
             anchors: anchors.clone(),
             sync: sync.clone(),
+            bucketing,
         };
         let (tx, rx) = channel();
         let replies = reply_tx.clone();

@@ -240,8 +240,41 @@ pub struct BucketLayout {
     bucket_sizes: Vec<usize>,
 }
 
-/// Largest bucket, in elements (16 MiB of f32).
-const BUCKET_ELEMENTS: usize = 4 << 20;
+/// How [`flatten_gradients`] groups the gradients for the exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bucketing {
+    /// Each parameter's gradient is a bucket of its own, as autodiff made it: nothing is
+    /// copied on the way in or out. For replicas on one device, where the sum reads every
+    /// tensor where it lies.
+    PerParameter,
+    /// Gradients concatenated into buckets of up to [`BUCKET_ELEMENTS`]: a few large
+    /// transfers instead of one per tensor, between devices or machines.
+    Joined,
+}
+
+impl Bucketing {
+    /// [`Bucketing::PerParameter`] when every replica is on one device and no other machine
+    /// takes part (the sum then moves no data), else [`Bucketing::Joined`].
+    pub fn for_replicas<D: PartialEq>(devices: &[D], multi_node: bool) -> Self {
+        let one_device = devices.windows(2).all(|w| w[0] == w[1]);
+        if one_device && !multi_node {
+            Self::PerParameter
+        } else {
+            Self::Joined
+        }
+    }
+
+    /// Elements at which a bucket closes.
+    fn bucket_elements(self) -> usize {
+        match self {
+            Self::PerParameter => 1,
+            Self::Joined => BUCKET_ELEMENTS,
+        }
+    }
+}
+
+/// Largest joined bucket, in elements (16 MiB of f32).
+pub const BUCKET_ELEMENTS: usize = 4 << 20;
 
 struct Flatten<'a, B: AutodiffBackend> {
     grads: &'a mut GradientsParams,
@@ -266,13 +299,22 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_, B> {
     }
 }
 
-/// Cuts the gradients of `model` into flat buckets (in module order), with `tail` (values to
-/// average along with the gradients) at the end of the last bucket, where
-/// [`unflatten_gradients`] ignores it.
+/// One bucket from its pieces: a lone piece as it is, several concatenated.
+fn join<B: Backend>(mut pieces: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
+    match pieces.len() {
+        1 => pieces.pop().expect("one piece"),
+        _ => Tensor::cat(pieces, 0),
+    }
+}
+
+/// Cuts the gradients of `model` into flat buckets (in module order) as `bucketing` says,
+/// with `tail` (values to average along with the gradients) at the end of the last bucket,
+/// where [`unflatten_gradients`] ignores it.
 pub fn flatten_gradients<B: AutodiffBackend>(
     model: &Ssd<B>,
     mut grads: GradientsParams,
     tail: Option<Tensor<B::InnerBackend, 1>>,
+    bucketing: Bucketing,
 ) -> (BucketLayout, Vec<Tensor<B::InnerBackend, 1>>) {
     let mut v = Flatten::<B> {
         grads: &mut grads,
@@ -288,9 +330,9 @@ pub fn flatten_gradients<B: AutodiffBackend>(
     for piece in pieces {
         elements += piece.dims()[0];
         current.push(piece);
-        if elements >= BUCKET_ELEMENTS {
+        if elements >= bucketing.bucket_elements() {
             bucket_sizes.push(current.len());
-            buckets.push(Tensor::cat(std::mem::take(&mut current), 0));
+            buckets.push(join(std::mem::take(&mut current)));
             elements = 0;
         }
     }
@@ -298,7 +340,7 @@ pub fn flatten_gradients<B: AutodiffBackend>(
     current.extend(tail);
     if !current.is_empty() {
         bucket_sizes.push(params_in_last);
-        buckets.push(Tensor::cat(current, 0));
+        buckets.push(join(current));
     }
     (
         BucketLayout {
@@ -320,7 +362,13 @@ pub fn unflatten_gradients<B: AutodiffBackend>(
         let mut offset = 0;
         for (id, dims) in params.by_ref().take(count) {
             let n: usize = dims.iter().product();
-            let flat = bucket.clone().narrow(0, offset, n);
+            // a bucket of one parameter is taken whole: a view at an offset would be copied
+            // by the reshape below
+            let flat = if offset == 0 && n == bucket.dims()[0] {
+                bucket.clone()
+            } else {
+                bucket.clone().narrow(0, offset, n)
+            };
             offset += n;
             match dims.len() {
                 1 => grads.register::<B::InnerBackend, 1>(*id, flat),
@@ -421,6 +469,17 @@ mod tests {
                 assert_eq!(r[round], vec![mean, 1.0, 2.0 * mean]);
             }
         }
+    }
+
+    #[test]
+    fn gradients_are_joined_only_where_they_travel() {
+        assert_eq!(
+            Bucketing::for_replicas(&[0, 0, 0], false),
+            Bucketing::PerParameter
+        );
+        assert_eq!(Bucketing::for_replicas(&[0, 1], false), Bucketing::Joined);
+        assert_eq!(Bucketing::for_replicas(&[0, 0], true), Bucketing::Joined);
+        assert_eq!(Bucketing::for_replicas(&[0], true), Bucketing::Joined);
     }
 
     #[test]

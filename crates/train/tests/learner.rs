@@ -26,7 +26,7 @@ use train::config::{
 use train::events::Event;
 use train::learner::{RunOptions, RunSummary, train};
 use train::optim::{TfOptimizer, clip_by_global_norm};
-use train::sync::{flatten_gradients, unflatten_gradients};
+use train::sync::{Bucketing, flatten_gradients, unflatten_gradients};
 
 type B = Flex;
 
@@ -252,7 +252,7 @@ fn learner_equals_manual_step(replicas: usize) {
             &targets,
         );
         let grads = loss.gradients(&net);
-        let (l, buckets) = flatten_gradients(&net, grads, None);
+        let (l, buckets) = flatten_gradients(&net, grads, None, Bucketing::Joined);
         layout = Some(l);
         sum = Some(match sum {
             None => buckets,
