@@ -32,7 +32,8 @@ pub enum Case {
         /// `cpu`, `cpu:N` or a CUDA ordinal.
         devices: String,
         batch: usize,
-        /// Limit the CPU thread pool (1 = one core); 0 = every core.
+        /// Confine the case to this many cores, its thread pool and its data loader alike
+        /// (1 = one core); 0 = every core.
         threads: usize,
         /// Every step trains on one batch kept in memory, with no data pipeline running
         /// beside it: the training step alone, as the PyTorch peer measures it.
@@ -122,13 +123,55 @@ pub fn run_case(case: &Case, scratch: &Path, repeats: usize) -> Result<()> {
         Case::Train {
             devices,
             batch,
+            threads,
             in_memory,
-            ..
-        } => train_case(devices, *batch, *in_memory, scratch, repeats)?,
+        } => {
+            if *threads > 0 {
+                confine_to_cores(*threads)?;
+            }
+            train_case(devices, *batch, *in_memory, scratch, repeats)?
+        }
         Case::Infer { batch, postprocess } => infer_case(*batch, *postprocess, repeats)?,
         Case::Data { workers } => data_case(*workers, scratch, repeats)?,
     };
     println!("{}", serde_json::to_string(&measured)?);
+    Ok(())
+}
+
+/// Confines this thread, and every thread it starts from now on (the thread pools, the data
+/// loader's workers), to the first `cores` CPUs it may run on: a case measured "on one core"
+/// then has no spare core for its data loader either.
+#[cfg(target_os = "linux")]
+fn confine_to_cores(cores: usize) -> Result<()> {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `cpu_set_t` is plain bits (all zeros is the empty set); the calls read and
+    // write only the set passed with its size.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+            bail!(
+                "reading the CPU affinity: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        let mut kept: libc::cpu_set_t = std::mem::zeroed();
+        let cpus = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &allowed));
+        for cpu in cpus.take(cores) {
+            libc::CPU_SET(cpu, &mut kept);
+        }
+        if libc::sched_setaffinity(0, size, &kept) != 0 {
+            bail!(
+                "confining to {cores} core(s): {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Elsewhere the thread pool alone is limited (`RAYON_NUM_THREADS`).
+#[cfg(not(target_os = "linux"))]
+fn confine_to_cores(_: usize) -> Result<()> {
     Ok(())
 }
 
@@ -312,8 +355,11 @@ pub fn cases(cuda_devices: &[usize], cores: usize) -> Vec<Case> {
     for batch in [8, 24] {
         cases.push(train("cpu".into(), batch, 0, false));
         cases.push(train("cpu".into(), batch, 0, true));
-        cases.push(train("cpu".into(), batch, 1, false));
-        cases.push(train("cpu:2".into(), batch, 0, false));
+        // the scaling pairs: one replica on one core, two replicas on every core
+        for in_memory in [false, true] {
+            cases.push(train("cpu".into(), batch, 1, in_memory));
+            cases.push(train("cpu:2".into(), batch, 0, in_memory));
+        }
         for d in cuda_devices {
             cases.push(train(d.to_string(), batch, 0, false));
         }
@@ -350,9 +396,10 @@ pub fn run_all(cases: &[Case], repeats: usize, out: &Path) -> Result<()> {
     let scratch = tempfile::tempdir()?;
     let mut report = Vec::new();
     println!(
-        "{:<44} {:>26} {:>22} {:>7} {:>9}",
+        "{:<62} {:>26} {:>22} {:>7} {:>9}",
         "case", "images/s min/median/max", "ms per batch (median)", "sync", "peak MiB"
     );
+    let mut medians = Vec::new();
     for case in cases {
         let mut cmd = Command::new(&exe);
         cmd.arg("bench-case")
@@ -386,7 +433,7 @@ pub fn run_all(cases: &[Case], repeats: usize, out: &Path) -> Result<()> {
             .sync_share
             .map_or(String::from("-"), |s| format!("{:.1}%", 100.0 * s));
         println!(
-            "{:<44} {:>8.1} {:>8.1} {:>8.1} {:>22.1} {:>7} {:>9.0}",
+            "{:<62} {:>8.1} {:>8.1} {:>8.1} {:>22.1} {:>7} {:>9.0}",
             case.label(),
             lo,
             med,
@@ -398,7 +445,7 @@ pub fn run_all(cases: &[Case], repeats: usize, out: &Path) -> Result<()> {
         if let Some(nms) = &m.postprocess_ms {
             let [a, b, c] = stats(nms);
             println!(
-                "{:<44} post-processing alone: {a:.2} / {b:.2} / {c:.2} ms per image",
+                "{:<62} post-processing alone: {a:.2} / {b:.2} / {c:.2} ms per image",
                 ""
             );
         }
@@ -409,17 +456,68 @@ pub fn run_all(cases: &[Case], repeats: usize, out: &Path) -> Result<()> {
             "ms_per_batch_median": ms,
             "measured": m,
         }));
+        medians.push((case, med));
+    }
+    let scaling = scaling(&medians);
+    for s in &scaling {
+        println!(
+            "scaling, batch {}{}: two replicas on every core / one on one core = {:.2}",
+            s.batch,
+            if s.in_memory { ", batch in memory" } else { "" },
+            s.ratio
+        );
     }
     let doc = json!({
         "unix_time": unix_time(),
         "cpu_cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "repeats": repeats,
         "results": report,
+        "scaling": scaling,
     });
     std::fs::write(out, serde_json::to_string_pretty(&doc)?)
         .with_context(|| format!("writing {}", out.display()))?;
     println!("report: {}", out.display());
     Ok(())
+}
+
+/// Images per second of two CPU replicas over one replica on one core, at one batch size.
+#[derive(Debug, Serialize)]
+struct Scaling {
+    batch: usize,
+    in_memory: bool,
+    ratio: f64,
+}
+
+/// The scaling ratio of every pair of measured cases `--devices cpu:2` and `--devices cpu`
+/// on one core with the same batch and data source (median images per second).
+fn scaling(medians: &[(&Case, f64)]) -> Vec<Scaling> {
+    let find = |devices: &str, threads: usize, batch: usize, in_memory: bool| {
+        medians.iter().find_map(|(case, median)| match case {
+            Case::Train {
+                devices: d,
+                threads: t,
+                batch: b,
+                in_memory: m,
+            } if d == devices && *t == threads && *b == batch && *m == in_memory => Some(*median),
+            _ => None,
+        })
+    };
+    medians
+        .iter()
+        .filter_map(|(case, two)| match case {
+            Case::Train {
+                devices,
+                threads: 0,
+                batch,
+                in_memory,
+            } if devices == "cpu:2" => find("cpu", 1, *batch, *in_memory).map(|one| Scaling {
+                batch: *batch,
+                in_memory: *in_memory,
+                ratio: two / one,
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Seconds since the Unix epoch (the report's timestamp).
