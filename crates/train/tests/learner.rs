@@ -297,15 +297,16 @@ fn one_replica_equals_its_own_gradients() {
     learner_equals_manual_step(1);
 }
 
-#[test]
-fn interrupted_and_resumed_equals_uninterrupted() {
+/// A run "killed" after step 2 and resumed from its checkpoint ends where the same run
+/// without the interruption ends: weights, optimizer slots (each replica's share of them when
+/// replicas split the optimizer's work) and data position all come back.
+fn interrupted_and_resumed_equals_uninterrupted(replicas: usize) {
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    run(&config(data.path(), 4), a.path(), 1).unwrap();
-    // "killed" after step 2: a second process resumes from the checkpoint
-    run(&config(data.path(), 2), b.path(), 1).unwrap();
-    let resumed = run(&config(data.path(), 4), b.path(), 1).unwrap();
+    run(&config(data.path(), 4), a.path(), replicas).unwrap();
+    run(&config(data.path(), 2), b.path(), replicas).unwrap();
+    let resumed = run(&config(data.path(), 4), b.path(), replicas).unwrap();
     assert_eq!((resumed.step, resumed.steps_this_run), (4, 2));
     let d = max_diff(
         &weights(&config(data.path(), 4), a.path()),
@@ -314,11 +315,21 @@ fn interrupted_and_resumed_equals_uninterrupted() {
     assert!(d < 1e-6, "max difference {d}");
     // nothing left to do: a third run resumes at 4 and stops
     assert_eq!(
-        run(&config(data.path(), 4), b.path(), 1)
+        run(&config(data.path(), 4), b.path(), replicas)
             .unwrap()
             .steps_this_run,
         0
     );
+}
+
+#[test]
+fn interrupted_and_resumed_equals_uninterrupted_on_one_replica() {
+    interrupted_and_resumed_equals_uninterrupted(1);
+}
+
+#[test]
+fn interrupted_and_resumed_equals_uninterrupted_on_two_replicas() {
+    interrupted_and_resumed_equals_uninterrupted(2);
 }
 
 #[test]
