@@ -1,6 +1,7 @@
 //! Gradient synchronisation between replicas: the in-process all-reduce, which hands its sum
-//! to a [`NodeExchange`] (crate::cluster) in multi-node runs. Gradients travel as a few large
-//! flat buckets, not one round-trip per tensor.
+//! to a [`NodeExchange`] (crate::cluster) in multi-node runs. Between devices or machines
+//! gradients travel as a few large flat buckets, not one round-trip per tensor; replicas on
+//! one device hand over each tensor as it is ([`Bucketing`]).
 
 use std::sync::{Arc, Condvar, Mutex};
 
