@@ -1,11 +1,11 @@
 //! Turning records into training batches: decode, augment, resize and normalise each sample
-//! (on worker threads, with a bounded prefetch queue), in a globally shuffled order that is a
-//! pure function of `(seed, epoch)`, from an exact resumable [`Position`].
+//! (the samples of a batch spread over worker threads, with a bounded prefetch queue), in a
+//! globally shuffled order that is a pure function of `(seed, epoch)`, from an exact
+//! resumable [`Position`].
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, sync_channel};
 use std::thread::JoinHandle;
 
 use burn::tensor::backend::Backend;
@@ -15,6 +15,7 @@ use model::targets::GroundTruth;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::augment::{Annotated, Augmentation, augment};
@@ -35,7 +36,7 @@ pub struct LoaderConfig {
     pub shuffle: bool,
     /// Seed of the shuffles and augmentations.
     pub seed: u64,
-    /// Worker threads.
+    /// Worker threads; each batch's samples are spread over all of them.
     pub workers: usize,
     /// Batches prepared ahead.
     pub prefetch: usize,
@@ -227,13 +228,20 @@ fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Resul
             index: at.index + config.batch_size,
         },
     };
-    for (slot, &record) in order
+    let slots: Vec<(usize, usize)> = order
         .iter()
+        .copied()
         .enumerate()
         .skip(at.index + part * len)
         .take(len)
-    {
-        let (pixels, gt, size) = load_sample(index, record, config, at.epoch, slot)?;
+        .collect();
+    let samples = slots
+        .into_par_iter()
+        .map(|(slot, record)| {
+            load_sample(index, record, config, at.epoch, slot).map(|sample| (record, sample))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for (record, (pixels, gt, size)) in samples {
         batch.images.extend(pixels);
         batch.sizes.push(size);
         batch.ground_truth.push(gt);
@@ -243,21 +251,26 @@ fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Resul
 }
 
 /// An endless, deterministic stream of batches made by worker threads.
+///
+/// A producer thread makes one batch after the other, each with its samples spread over the
+/// workers: every worker takes a share of every batch, so the decoding comes in short,
+/// even bursts on every core instead of one long burst on one (which, beside data-parallel
+/// replicas, would hold back one replica and make the others wait for it).
 pub struct Loader {
-    receiver: Receiver<(u64, Result<Batch>)>,
-    pending: BTreeMap<u64, Result<Batch>>,
-    next: u64,
+    receiver: Receiver<Result<Batch>>,
     stop: Arc<AtomicBool>,
-    workers: Vec<JoinHandle<()>>,
+    producer: Option<JoinHandle<()>>,
 }
 
 impl Loader {
     /// Starts the workers at `start`. Fails when the data cannot fill one batch.
     pub fn new(index: Arc<RecordIndex>, config: LoaderConfig, start: Position) -> Result<Self> {
         let (part, parts) = config.share;
+        let first_file = index.files().first().cloned().unwrap_or_default();
+        let first_file = || first_file.clone();
         if parts == 0 || part >= parts || !config.batch_size.is_multiple_of(parts) {
             return Err(DataError::invalid(
-                index.files().first().cloned().unwrap_or_default(),
+                first_file(),
                 format!(
                     "share {part} of {parts} does not divide a batch of {}",
                     config.batch_size
@@ -266,7 +279,7 @@ impl Loader {
         }
         if config.batch_size == 0 || index.len() < config.batch_size {
             return Err(DataError::invalid(
-                index.files().first().cloned().unwrap_or_default(),
+                first_file(),
                 format!(
                     "{} records cannot fill a batch of {}",
                     index.len(),
@@ -274,33 +287,38 @@ impl Loader {
                 ),
             ));
         }
+        let workers = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.workers.max(1))
+            .thread_name(|i| format!("loader-{i}"))
+            .build()
+            .map_err(|e| {
+                DataError::invalid(first_file(), format!("starting the data workers: {e}"))
+            })?;
         let (sender, receiver) = sync_channel(config.prefetch.max(1));
         let stop = Arc::new(AtomicBool::new(false));
-        let counter = Arc::new(AtomicU64::new(0));
-        let config = Arc::new(config);
-        let workers = (0..config.workers.max(1))
-            .map(|_| {
-                let (index, config, stop, counter) =
-                    (index.clone(), config.clone(), stop.clone(), counter.clone());
-                let sender: SyncSender<_> = sender.clone();
-                std::thread::spawn(move || {
+        let producer = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("loader".into())
+                .spawn(move || {
+                    let mut n = 0;
                     while !stop.load(Ordering::Relaxed) {
-                        let n = counter.fetch_add(1, Ordering::Relaxed);
                         let at = batch_start(start, n, index.len(), config.batch_size);
-                        let batch = make_batch(&index, &config, at);
-                        if sender.send((n, batch)).is_err() {
+                        let batch = workers.install(|| make_batch(&index, &config, at));
+                        if sender.send(batch).is_err() {
                             break;
                         }
+                        n += 1;
                     }
                 })
-            })
-            .collect();
+                .map_err(|e| {
+                    DataError::invalid(first_file(), format!("starting the data loader: {e}"))
+                })?
+        };
         Ok(Self {
             receiver,
-            pending: BTreeMap::new(),
-            next: 0,
             stop,
-            workers,
+            producer: Some(producer),
         })
     }
 }
@@ -309,28 +327,20 @@ impl Iterator for Loader {
     type Item = Result<Batch>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            if let Some(b) = self.pending.remove(&self.next) {
-                self.next += 1;
-                return Some(b);
-            }
-            let (n, b) = self.receiver.recv().ok()?;
-            self.pending.insert(n, b);
-        }
+        self.receiver.recv().ok()
     }
 }
 
 impl Drop for Loader {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        // unblock workers waiting on a full queue, then wait for them
-        while self.receiver.try_recv().is_ok() {}
-        for w in self.workers.drain(..) {
-            while !w.is_finished() {
+        // unblock the producer waiting on a full queue, then wait for it
+        if let Some(producer) = self.producer.take() {
+            while !producer.is_finished() {
                 while self.receiver.try_recv().is_ok() {}
                 std::thread::yield_now();
             }
-            let _ = w.join();
+            let _ = producer.join();
         }
     }
 }
