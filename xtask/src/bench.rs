@@ -24,7 +24,7 @@ use train::config::TrainConfig;
 use train::learner::{RunOptions, train};
 
 /// One measurement, run in a child process.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Case {
     /// Training steps of the pets model (37 classes, 300x300).
@@ -491,31 +491,33 @@ struct Scaling {
 /// The scaling ratio of every pair of measured cases `--devices cpu:2` and `--devices cpu`
 /// on one core with the same batch and data source (median images per second).
 fn scaling(medians: &[(&Case, f64)]) -> Vec<Scaling> {
-    let find = |devices: &str, threads: usize, batch: usize, in_memory: bool| {
-        medians.iter().find_map(|(case, median)| match case {
-            Case::Train {
-                devices: d,
-                threads: t,
-                batch: b,
-                in_memory: m,
-            } if d == devices && *t == threads && *b == batch && *m == in_memory => Some(*median),
-            _ => None,
-        })
-    };
+    let median = |case: &Case| medians.iter().find(|(c, _)| *c == case).map(|(_, m)| *m);
     medians
         .iter()
-        .filter_map(|(case, two)| match case {
-            Case::Train {
+        .filter_map(|&(case, two)| {
+            let Case::Train {
                 devices,
-                threads: 0,
                 batch,
+                threads: 0,
                 in_memory,
-            } if devices == "cpu:2" => find("cpu", 1, *batch, *in_memory).map(|one| Scaling {
+            } = case
+            else {
+                return None;
+            };
+            if devices != "cpu:2" {
+                return None;
+            }
+            let one_core = Case::Train {
+                devices: "cpu".into(),
+                batch: *batch,
+                threads: 1,
+                in_memory: *in_memory,
+            };
+            median(&one_core).map(|one| Scaling {
                 batch: *batch,
                 in_memory: *in_memory,
                 ratio: two / one,
-            }),
-            _ => None,
+            })
         })
         .collect()
 }
@@ -525,4 +527,37 @@ fn unix_time() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn train(devices: &str, batch: usize, threads: usize, in_memory: bool) -> Case {
+        Case::Train {
+            devices: devices.into(),
+            batch,
+            threads,
+            in_memory,
+        }
+    }
+
+    #[test]
+    fn scaling_pairs_two_replicas_with_one_core_of_the_same_batch_and_data() {
+        let cases = [
+            train("cpu", 8, 1, false),
+            train("cpu:2", 8, 0, false),
+            train("cpu", 8, 1, true),
+            train("cpu:2", 8, 0, true),
+            train("cpu", 8, 0, true),
+            // no one-core case at batch 24: no ratio
+            train("cpu:2", 24, 0, false),
+        ];
+        let rates = [10.0, 18.0, 10.0, 19.0, 18.5, 17.0];
+        let medians: Vec<_> = cases.iter().zip(rates).collect();
+        let s = scaling(&medians);
+        assert_eq!(s.len(), 2);
+        assert_eq!((s[0].batch, s[0].in_memory, s[0].ratio), (8, false, 1.8));
+        assert_eq!((s[1].batch, s[1].in_memory, s[1].ratio), (8, true, 1.9));
+    }
 }

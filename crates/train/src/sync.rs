@@ -363,13 +363,7 @@ pub fn unflatten_gradients<B: AutodiffBackend>(
         let mut offset = 0;
         for (id, dims) in params.by_ref().take(count) {
             let n: usize = dims.iter().product();
-            // a bucket of one parameter is taken whole: a view at an offset would be copied
-            // by the reshape below
-            let flat = if offset == 0 && n == bucket.dims()[0] {
-                bucket.clone()
-            } else {
-                bucket.clone().narrow(0, offset, n)
-            };
+            let flat = bucket.clone().narrow(0, offset, n);
             offset += n;
             match dims.len() {
                 1 => grads.register::<B::InnerBackend, 1>(*id, flat),

@@ -298,8 +298,7 @@ fn one_replica_equals_its_own_gradients() {
 }
 
 /// A run "killed" after step 2 and resumed from its checkpoint ends where the same run
-/// without the interruption ends: weights, optimizer slots (each replica's share of them when
-/// replicas split the optimizer's work) and data position all come back.
+/// without the interruption ends: weights, optimizer slots and data position all come back.
 fn interrupted_and_resumed_equals_uninterrupted(replicas: usize) {
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
