@@ -16,7 +16,7 @@ use std::time::Instant;
 use model::box_coder::BoxCoder;
 use model::config::SsdConfig;
 use model::mobilenet::SEPARABLE_BLOCKS;
-use model::ops::cpu::{self, Conv};
+use model::ops::cpu::{self, Conv, Epilogue};
 use model::ssd::{EXTRA_LAYER_DEPTHS, anchors, feature_map_shapes};
 
 fn mean_ms(mut f: impl FnMut()) -> f64 {
@@ -116,9 +116,9 @@ fn main() {
             .collect();
         let forward = || {
             if depthwise {
-                cpu::depthwise_forward(&g, &x, &w)
+                cpu::depthwise_forward(&g, &x, &w, Epilogue::None)
             } else {
-                cpu::conv_forward(&g, &x, &w, None)
+                cpu::conv_forward(&g, &x, &w, Epilogue::None)
             }
         };
         let conv_backward = |dy: &[f32]| {
@@ -140,7 +140,7 @@ fn main() {
             let bias = vec![0.1f32; cout];
             let bias_ms = mean_ms(|| {
                 let mut y = y.clone();
-                cpu::add_bias(&mut y, plane, &bias);
+                Epilogue::Bias(&bias).apply_planes(&mut y, plane, true);
                 drop(cpu::bias_grad(&y, plane, cout));
             });
             totals[0] += conv_fwd;
@@ -212,7 +212,7 @@ fn fused_against_apart(g: &Conv, x: &[f32], w: &[f32]) -> [[f64; 2]; 2] {
         |x: &[f32], plane: usize| cpu::batch_norm_relu6(x, [batch, plane], &gamma, &beta, eps);
     let forward = || {
         let (x_norm, mean, var) = normalised(x, plane);
-        let conv = cpu::depthwise_forward(g, &x_norm, w);
+        let conv = cpu::depthwise_forward(g, &x_norm, w, Epilogue::None);
         let (y, mean_after, var_after) = normalised(&conv, out_plane);
         (x_norm, [mean, var, mean_after, var_after], conv, y)
     };

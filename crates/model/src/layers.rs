@@ -11,7 +11,8 @@ use rand_distr::{Distribution, StandardNormal};
 
 use crate::config::BatchNormConfig as BnSettings;
 use crate::ops::{
-    SsdBackend, affine_relu6, batch_norm_relu6, conv_same, depthwise_between_batch_norms,
+    SsdBackend, affine_relu6, batch_norm_relu6, conv_affine_relu6, conv_same,
+    depthwise_between_batch_norms,
 };
 
 /// Shape and initialisation of one convolution.
@@ -143,13 +144,20 @@ impl<B: SsdBackend> BatchNorm<B> {
             self.update_moving_stats(mean, variance);
             y
         } else {
-            let device = x.device();
-            let mean = self.moving_mean.value().to_device(&device);
-            let variance = self.moving_variance.value().to_device(&device);
-            let scale = self.gamma.val() / variance.add_scalar(self.epsilon).sqrt();
-            let shift = self.beta.val() - mean * scale.clone();
+            let [scale, shift] = self.folded(&x.device());
             affine_relu6(x, scale, shift)
         }
+    }
+
+    /// The moving averages folded into the per-channel affine map of inference:
+    /// `[scale, shift]` with `scale = gamma / sqrt(variance + epsilon)` and
+    /// `shift = beta - mean * scale`.
+    fn folded(&self, device: &B::Device) -> [Tensor<B, 1>; 2] {
+        let mean = self.moving_mean.value().to_device(device);
+        let variance = self.moving_variance.value().to_device(device);
+        let scale = self.gamma.val() / variance.add_scalar(self.epsilon).sqrt();
+        let shift = self.beta.val() - mean * scale.clone();
+        [scale, shift]
     }
 
     /// Moves the moving averages towards a training batch's statistics:
@@ -195,9 +203,16 @@ impl<B: Backend> ConvBnRelu6<B> {
 
 impl<B: SsdBackend> ConvBnRelu6<B> {
     /// Applies the unit. BatchNorm uses batch statistics (and updates its moving averages)
-    /// when the backend records gradients, and the moving averages otherwise.
+    /// when the backend records gradients, and the moving averages otherwise, as one
+    /// operation with the convolution ([`SsdBackend::conv_affine_relu6`]).
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        self.bn.forward_relu6(apply_conv(&self.conv, x))
+        if B::ad_enabled(&x.device()) {
+            return self.bn.forward_relu6(apply_conv(&self.conv, x));
+        }
+        let folded = self.bn.folded(&x.device());
+        let conv = &self.conv;
+        let depthwise = conv.groups > 1;
+        conv_affine_relu6(x, (conv.weight.val(), conv.stride[0], depthwise), folded)
     }
 
     /// Applies `before`'s BatchNorm + ReLU6 to `x`, then this unit, a depthwise convolution.

@@ -128,7 +128,17 @@ enum Activation<'a, B: Backend> {
     Pending(Tensor<B, 4>, &'a BatchNorm<B>),
 }
 
-impl<B: SsdBackend> Activation<'_, B> {
+impl<'a, B: SsdBackend> Activation<'a, B> {
+    /// The output of `unit` on `x`: its convolution alone in training (its BatchNorm +
+    /// ReLU6 pending), the whole unit otherwise.
+    fn of(unit: &'a ConvBnRelu6<B>, x: Tensor<B, 4>, training: bool) -> Self {
+        if training {
+            Self::Pending(apply_conv(&unit.conv, x), &unit.bn)
+        } else {
+            Self::Normalised(unit.forward(x))
+        }
+    }
+
     fn normalised(self) -> Tensor<B, 4> {
         match self {
             Self::Normalised(x) => x,
@@ -138,19 +148,21 @@ impl<B: SsdBackend> Activation<'_, B> {
 }
 
 impl<B: SsdBackend> MobileNetV1<B> {
-    /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations. Each
-    /// depthwise unit applies the BatchNorm + ReLU6 of the unit before it
+    /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations. In training,
+    /// each depthwise unit applies the BatchNorm + ReLU6 of the unit before it
     /// ([`ConvBnRelu6::forward_after`]), except after `Conv2d_11_pointwise`, whose activations
-    /// are also a feature map.
+    /// are also a feature map; at inference every unit applies its own, with its convolution
+    /// ([`ConvBnRelu6::forward`]).
     pub fn forward(&self, x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let mut x = Activation::Pending(apply_conv(&self.conv0.conv, x), &self.conv0.bn);
+        let training = B::ad_enabled(&x.device());
+        let mut x = Activation::of(&self.conv0, x, training);
         let mut conv11 = None;
         for (i, block) in self.blocks.iter().enumerate() {
             let y = match x {
                 Activation::Pending(x, bn) => block.depthwise.forward_after(x, bn),
                 Activation::Normalised(x) => block.depthwise.forward(x),
             };
-            x = Activation::Pending(apply_conv(&block.pointwise.conv, y), &block.pointwise.bn);
+            x = Activation::of(&block.pointwise, y, training);
             if i == 10 {
                 let map = x.normalised();
                 conv11 = Some(map.clone());

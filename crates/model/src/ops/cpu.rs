@@ -18,11 +18,56 @@ pub fn same_padding(size: usize, kernel: usize, stride: usize) -> (usize, usize,
     (out, total / 2, total - total / 2)
 }
 
-/// Adds `bias[c]` to every plane of channel `c` in `[batch, channels, plane]` data.
-pub fn add_bias(y: &mut [f32], plane: usize, bias: &[f32]) {
-    for (p, out) in y.chunks_mut(plane.max(1)).enumerate() {
-        let v = bias[p % bias.len()];
-        out.iter_mut().for_each(|o| *o += v);
+/// What a convolution does to each output plane right after computing it, while the plane
+/// is still in cache (instead of another pass over the whole output).
+#[derive(Debug, Clone, Copy)]
+pub enum Epilogue<'a> {
+    /// Nothing: the convolution's output as it is.
+    None,
+    /// `y + bias[c]`.
+    Bias(&'a [f32]),
+    /// `clamp(y * scale[c] + shift[c], 0, 6)`: inference-mode BatchNorm folded into a
+    /// per-channel affine map, then ReLU6.
+    AffineRelu6 {
+        /// Per-channel factor.
+        scale: &'a [f32],
+        /// Per-channel offset.
+        shift: &'a [f32],
+    },
+}
+
+impl Epilogue<'_> {
+    /// Applies the epilogue to `values`, one plane of channel `c`.
+    fn apply(self, values: &mut [f32], c: usize) {
+        match self {
+            Self::None => {}
+            Self::Bias(bias) => {
+                let b = bias[c];
+                values.iter_mut().for_each(|v| *v += b);
+            }
+            Self::AffineRelu6 { scale, shift } => {
+                let (s, t) = (scale[c], shift[c]);
+                values.iter_mut().for_each(|v| *v = scaled_relu6(*v, s, t));
+            }
+        }
+    }
+
+    /// Applies the epilogue to every plane of `[batch, channels, plane]` data, over rayon's
+    /// pool when `parallel`.
+    pub fn apply_planes(self, values: &mut [f32], plane: usize, parallel: bool) {
+        let channels = match self {
+            Self::None => return,
+            Self::Bias(bias) => bias.len(),
+            Self::AffineRelu6 { scale, .. } => scale.len(),
+        };
+        let plane = plane.max(1);
+        if parallel {
+            let chunks = values.par_chunks_mut(plane).enumerate();
+            chunks.for_each(|(p, values)| self.apply(values, p % channels));
+        } else {
+            let chunks = values.chunks_mut(plane).enumerate();
+            chunks.for_each(|(p, values)| self.apply(values, p % channels));
+        }
     }
 }
 
@@ -251,7 +296,16 @@ fn copy_strided(dst: &mut [f32], src: &[f32], stride: usize) {
 /// Zero-fills `values` and returns them as initialised.
 fn zero_filled(values: &mut [MaybeUninit<f32>]) -> &mut [f32] {
     values.fill(MaybeUninit::new(0.0));
-    // SAFETY: every value was just written, and the layouts are the same.
+    // SAFETY: every value was just written.
+    unsafe { written(values) }
+}
+
+/// `values` as initialised.
+///
+/// # Safety
+/// Every value must have been written.
+unsafe fn written(values: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    // SAFETY: initialised by the caller's contract, and the layouts are the same.
     unsafe { &mut *(values as *mut [MaybeUninit<f32>] as *mut [f32]) }
 }
 
@@ -302,8 +356,9 @@ fn patches<'a>(g: &Conv, image: &'a [f32], cols: &'a mut [f32]) -> &'a [f32] {
     }
 }
 
-/// Dense convolution: `x [batch, in, h, w]`, `weight [out, in, k, k]`, optional `bias [out]`.
-pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
+/// Dense convolution: `x [batch, in, h, w]`, `weight [out, in, k, k]`, then `epilogue` on
+/// each image's output as soon as its product is done.
+pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], epilogue: Epilogue) -> Vec<f32> {
     let (image_len, out_len) = (g.in_channels * g.in_plane(), g.out_channels * g.out_plane());
     let len = g.batch * out_len;
     let split = Split::new(g.batch);
@@ -319,14 +374,14 @@ pub fn conv_forward(g: &Conv, x: &[f32], weight: &[f32], bias: Option<&[f32]>) -
                 let shape = [g.out_channels, g.out_plane(), g.patch()];
                 let parallel = split.parallel_products;
                 gemm_into(out, weight, false, cols, false, shape, false, parallel);
+                // SAFETY: the product just wrote all of `out`.
+                let out = unsafe { written(out) };
+                epilogue.apply_planes(out, g.out_plane(), parallel);
             }
         });
     // SAFETY: the products above wrote all `len` values (one `out_channels x out_plane` block
     // per image, `batch` blocks).
     unsafe { y.set_len(len) };
-    if let Some(bias) = bias {
-        add_bias(&mut y, g.out_plane(), bias);
-    }
     y
 }
 
@@ -1031,8 +1086,9 @@ fn batch_sum(partial: &[f32], len: usize) -> Vec<f32> {
 }
 
 /// Depthwise convolution (`in_channels == out_channels`, one `k x k` filter per channel):
-/// `x [batch, c, h, w]`, `weight [c, 1, k, k]`.
-pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
+/// `x [batch, c, h, w]`, `weight [c, 1, k, k]`, then `epilogue` on each output plane as soon
+/// as it is done.
+pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32], epilogue: Epilogue) -> Vec<f32> {
     let (c, kk) = (g.in_channels, g.kernel * g.kernel);
     let plan = Depthwise::new(g);
     let len = g.batch * c * g.out_plane();
@@ -1047,6 +1103,9 @@ pub fn depthwise_forward(g: &Conv, x: &[f32], weight: &[f32]) -> Vec<f32> {
                 let filter = &weight[(p % c) * kk..][..kk];
                 let src = &x[p * g.in_plane()..][..g.in_plane()];
                 plan.forward_plane(src, filter, out, scratch);
+                // SAFETY: `forward_plane` wrote every value of `out`.
+                let out = unsafe { written(out) };
+                epilogue.apply(out, p % c);
             },
         );
     // SAFETY: `forward_plane` wrote every value of every plane.
@@ -1428,15 +1487,7 @@ fn scaled_relu6(v: f32, s: f32, t: f32) -> f32 {
 /// `x <- clamp(x * scale[c] + shift[c], 0, 6)` over `[batch, channels, plane]` data, in
 /// place (inference: the convolution's output buffer becomes the layer's output).
 pub fn affine_relu6_in_place(x: &mut [f32], plane: usize, scale: &[f32], shift: &[f32]) {
-    let channels = scale.len();
-    x.par_chunks_mut(plane.max(1))
-        .enumerate()
-        .for_each(|(p, values)| {
-            let (s, t) = (scale[p % channels], shift[p % channels]);
-            for v in values {
-                *v = scaled_relu6(*v, s, t);
-            }
-        });
+    Epilogue::AffineRelu6 { scale, shift }.apply_planes(x, plane, true);
 }
 
 /// Training-mode BatchNorm followed by ReLU6 over `[batch, channels, plane]` data:

@@ -6,7 +6,7 @@ use burn::backend::flex::FlexTensor;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
-use super::cpu::{self, Conv};
+use super::cpu::{self, Conv, Epilogue};
 use super::{
     BatchNormGrads, BatchNormOutput, ConvGrads, ConvGradsWanted, DepthwiseBetweenGrads,
     DepthwiseBetweenOutput, RmsPropState, RmsPropStep, SsdBackend, reference,
@@ -67,6 +67,26 @@ fn geometry(x: &FlexTensor, weight: &FlexTensor, stride: usize) -> Conv {
     Conv::same(x.shape().dims(), out_channels, kernel, stride)
 }
 
+/// [`SsdBackend::conv_same`] of `f32` tensors on the CPU kernels, with `epilogue` applied to
+/// each output plane as it is made.
+fn convolution(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    stride: usize,
+    depthwise: bool,
+    epilogue: Epilogue,
+) -> FlexTensor {
+    let g = geometry(x, weight, stride);
+    let (x, weight) = (contiguous(x), contiguous(weight));
+    let (x, weight) = (values(&x), values(&weight));
+    let y = if depthwise {
+        cpu::depthwise_forward(&g, x, weight, epilogue)
+    } else {
+        cpu::conv_forward(&g, x, weight, epilogue)
+    };
+    output(y, [g.batch, g.out_channels, g.out_height, g.out_width])
+}
+
 impl SsdBackend for Flex {
     fn on_compute_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         // on a pool thread already: in place; otherwise one hand-off for the whole block
@@ -83,20 +103,26 @@ impl SsdBackend for Flex {
         if !all_f32(&[&x, &weight]) || bias.as_ref().is_some_and(|b| b.dtype() != DType::F32) {
             return reference::conv_same::<Self>(x, weight, bias, stride, depthwise);
         }
-        let g = geometry(&x, &weight, stride);
-        let (x, weight) = (contiguous(&x), contiguous(&weight));
         let bias = bias.map(|b| contiguous(&b));
-        let shape = [g.batch, g.out_channels, g.out_height, g.out_width];
-        if depthwise {
-            let mut y = cpu::depthwise_forward(&g, values(&x), values(&weight));
-            if let Some(bias) = &bias {
-                cpu::add_bias(&mut y, g.out_height * g.out_width, values(bias));
-            }
-            output(y, shape)
-        } else {
-            let y = cpu::conv_forward(&g, values(&x), values(&weight), bias.as_ref().map(values));
-            output(y, shape)
+        let epilogue = bias
+            .as_ref()
+            .map_or(Epilogue::None, |b| Epilogue::Bias(values(b)));
+        convolution(&x, &weight, stride, depthwise, epilogue)
+    }
+
+    fn conv_affine_relu6(
+        x: FloatTensor<Self>,
+        (weight, stride, depthwise): (FloatTensor<Self>, usize, bool),
+        [scale, shift]: [FloatTensor<Self>; 2],
+    ) -> FloatTensor<Self> {
+        if !all_f32(&[&x, &weight, &scale, &shift]) {
+            let y = reference::conv_same::<Self>(x, weight, None, stride, depthwise);
+            return reference::affine_relu6::<Self>(y, scale, shift);
         }
+        let (scale, shift) = (contiguous(&scale), contiguous(&shift));
+        let (scale, shift) = (values(&scale), values(&shift));
+        let epilogue = Epilogue::AffineRelu6 { scale, shift };
+        convolution(&x, &weight, stride, depthwise, epilogue)
     }
 
     fn conv_same_backward(

@@ -219,6 +219,19 @@ pub trait SsdBackend: Backend {
         reference::channels_first::<Self>(x)
     }
 
+    /// Inference-mode unit: [`SsdBackend::conv_same`] (no bias), then
+    /// [`SsdBackend::affine_relu6`] with `[scale, shift]`. The CPU backend applies the affine
+    /// map and ReLU6 to each image's (or, depthwise, each plane's) output as soon as it is
+    /// computed, while it is still in cache, instead of in a second pass over the output.
+    fn conv_affine_relu6(
+        x: FloatTensor<Self>,
+        (weight, stride, depthwise): (FloatTensor<Self>, usize, bool),
+        [scale, shift]: [FloatTensor<Self>; 2],
+    ) -> FloatTensor<Self> {
+        let y = Self::conv_same(x, weight, None, stride, depthwise);
+        Self::affine_relu6(y, scale, shift)
+    }
+
     /// `clamp(x * scale[c] + shift[c], 0, 6)`: inference-mode BatchNorm folded into a
     /// per-channel affine map, then ReLU6.
     fn affine_relu6(
@@ -365,6 +378,19 @@ pub fn sigmoid_cross_entropy<B: SsdBackend>(
 /// [`SsdBackend::channels_last`] on tensors.
 pub fn channels_last<B: SsdBackend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     tensor(B::channels_last(prim(x)))
+}
+
+/// [`SsdBackend::conv_affine_relu6`] on tensors.
+pub fn conv_affine_relu6<B: SsdBackend>(
+    x: Tensor<B, 4>,
+    (weight, stride, depthwise): (Tensor<B, 4>, usize, bool),
+    [scale, shift]: [Tensor<B, 1>; 2],
+) -> Tensor<B, 4> {
+    tensor(B::conv_affine_relu6(
+        prim(x),
+        (prim(weight), stride, depthwise),
+        [prim(scale), prim(shift)],
+    ))
 }
 
 /// [`SsdBackend::affine_relu6`] on tensors.

@@ -6,8 +6,8 @@ use burn::tensor::{Distribution, Tensor};
 
 use super::{
     ConvGradsWanted, SsdBackend, add_scaled, affine_relu6, batch_norm_relu6, channels_last,
-    conv_same, depthwise_between_batch_norms, half_squared_norm, prim, reference,
-    sigmoid_cross_entropy, tensor,
+    conv_affine_relu6, conv_same, depthwise_between_batch_norms, half_squared_norm, prim,
+    reference, sigmoid_cross_entropy, tensor,
 };
 
 type A = Autodiff<Flex>;
@@ -512,6 +512,34 @@ fn affine_relu6_matches_reference() {
     let part = x.narrow(0, 1, 1);
     let fast = affine_relu6(part.clone(), scale.clone(), shift.clone());
     assert_close("affine, view", values(fast), values(reference(part)), 1e-6);
+}
+
+#[test]
+fn conv_affine_relu6_matches_convolution_then_affine() {
+    for (n, &(shape, out, k, stride, depthwise, _)) in CONVS.iter().enumerate() {
+        let what = format!("conv + affine {shape:?} -> {out} k{k} s{stride} dw={depthwise}");
+        let x = random(shape, 40 + n as u64);
+        let w_shape = if depthwise {
+            [shape[1], 1, k, k]
+        } else {
+            [out, shape[1], k, k]
+        };
+        let w = random(w_shape, 50 + n as u64);
+        // wide enough that outputs land below 0, inside (0, 6) and above 6
+        let scale = random([w_shape[0]], 60 + n as u64).mul_scalar(6.0);
+        let shift = random([w_shape[0]], 70 + n as u64).mul_scalar(4.0);
+        let fused = conv_affine_relu6(
+            x.clone(),
+            (w.clone(), stride, depthwise),
+            [scale.clone(), shift.clone()],
+        );
+        let conv = reference::conv_same::<Flex>(prim(x), prim(w), None, stride, depthwise);
+        let slow = reference::affine_relu6::<Flex>(conv, prim(scale), prim(shift));
+        let slow = values(tensor::<Flex, 4>(slow));
+        let clamped = |v: f32| v == 0.0 || v == 6.0;
+        assert!(slow.iter().any(|&v| clamped(v)), "{what}: nothing clamped");
+        assert_close(&what, values(fused), slow, 1e-5);
+    }
 }
 
 /// The CPU backend runs a block on one of rayon's pool threads (a nested block in place on
