@@ -17,6 +17,7 @@ use data::loader::{Loader, LoaderConfig, Position, load_sample};
 use data::synthetic::write_resized_set;
 use data::tfrecord::RecordIndex;
 use model::inference::postprocess;
+use model::ops::SsdBackend;
 use model::ssd::anchors;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -40,8 +41,14 @@ pub enum Case {
         #[serde(default)]
         in_memory: bool,
     },
-    /// Forward pass of the pets model on the CPU, optionally with post-processing.
-    Infer { batch: usize, postprocess: bool },
+    /// Forward pass of the pets model, optionally with post-processing.
+    Infer {
+        /// `cpu` or a CUDA ordinal.
+        #[serde(default = "cpu")]
+        device: String,
+        batch: usize,
+        postprocess: bool,
+    },
     /// Decode + augmentation + resize of 500x375 JPEGs.
     Data { workers: usize },
 }
@@ -64,14 +71,24 @@ impl Case {
                 let data = if *in_memory { ", batch in memory" } else { "" };
                 format!("train --devices {devices}, batch {batch}{cores}{data}")
             }
-            Case::Infer { batch, postprocess } => format!(
-                "inference batch {batch}{}",
-                if *postprocess {
+            Case::Infer {
+                device,
+                batch,
+                postprocess,
+            } => {
+                // the CPU cases keep their names; a GPU's name as the training cases'
+                let on = if device == "cpu" {
+                    String::new()
+                } else {
+                    format!("--devices {device}, ")
+                };
+                let what = if *postprocess {
                     " + NMS"
                 } else {
                     ", model only"
-                }
-            ),
+                };
+                format!("inference {on}batch {batch}{what}")
+            }
             Case::Data { workers } => format!("data pipeline, {workers} worker(s)"),
         }
     }
@@ -131,7 +148,14 @@ pub fn run_case(case: &Case, scratch: &Path, repeats: usize) -> Result<()> {
             }
             train_case(devices, *batch, *in_memory, scratch, repeats)?
         }
-        Case::Infer { batch, postprocess } => infer_case(*batch, *postprocess, repeats)?,
+        Case::Infer {
+            device,
+            batch,
+            postprocess,
+        } => match device.as_str() {
+            "cpu" => infer_case::<Flex>(Default::default(), *batch, *postprocess, repeats)?,
+            d => cuda_infer(d, *batch, *postprocess, repeats)?,
+        },
         Case::Data { workers } => data_case(*workers, scratch, repeats)?,
     };
     println!("{}", serde_json::to_string(&measured)?);
@@ -189,6 +213,11 @@ fn bench_records(scratch: &Path) -> Result<Vec<PathBuf>> {
 
 const WARM_UP_STEPS: usize = 2;
 
+/// The device of a case that names none (the cases of earlier reports).
+fn cpu() -> String {
+    "cpu".into()
+}
+
 fn train_case(
     devices: &str,
     batch: usize,
@@ -234,20 +263,33 @@ fn train_case(
     })
 }
 
+/// The CUDA devices of a comma-separated list of ordinals.
+#[cfg(feature = "cuda")]
+fn parse_cuda_devices(devices: &str) -> Result<Vec<burn::backend::cuda::CudaDevice>> {
+    devices
+        .split(',')
+        .map(|s| {
+            let id = s.trim().parse::<usize>();
+            id.map(burn::backend::cuda::CudaDevice::new)
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .with_context(|| format!("devices {devices}"))
+}
+
 #[cfg(feature = "cuda")]
 fn cuda_train(
     config: &TrainConfig,
     devices: &str,
     options: &RunOptions,
 ) -> Result<train::learner::RunSummary> {
-    use burn::backend::Cuda;
-    use burn::backend::cuda::CudaDevice;
-    let ids = devices
-        .split(',')
-        .map(|s| s.trim().parse::<usize>().map(CudaDevice::new))
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .with_context(|| format!("devices {devices}"))?;
-    train::<Cuda>(config, &ids, options)
+    train::<burn::backend::Cuda>(config, &parse_cuda_devices(devices)?, options)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_infer(device: &str, batch: usize, with_nms: bool, repeats: usize) -> Result<Measured> {
+    let [device] = <[_; 1]>::try_from(parse_cuda_devices(device)?)
+        .map_err(|_| anyhow::anyhow!("inference runs on one device, not {device}"))?;
+    infer_case::<burn::backend::Cuda>(device, batch, with_nms, repeats)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -259,14 +301,25 @@ fn cuda_train(
     bail!("devices {devices}: xtask was built without the cuda feature")
 }
 
-fn infer_case(batch: usize, with_nms: bool, repeats: usize) -> Result<Measured> {
+#[cfg(not(feature = "cuda"))]
+fn cuda_infer(device: &str, _: usize, _: bool, _: usize) -> Result<Measured> {
+    bail!("device {device}: xtask was built without the cuda feature")
+}
+
+/// The forward pass (and post-processing) on `device`; each repetition ends when the
+/// predictions are back in host memory.
+fn infer_case<B: SsdBackend>(
+    device: B::Device,
+    batch: usize,
+    with_nms: bool,
+    repeats: usize,
+) -> Result<Measured> {
     let config = TrainConfig::load(&workspace().join("configs/ssd_mobilenet_v1_pets.json"))?.model;
-    let device = Default::default();
-    let net = config.init::<Flex>(0, &device)?;
+    let net = config.init::<B>(0, &device)?;
     let anchors = anchors(&config);
     let [h, w] = config.image_size;
     let images =
-        Tensor::<Flex, 4>::random([batch, 3, h, w], Distribution::Uniform(-1.0, 1.0), &device);
+        Tensor::<B, 4>::random([batch, 3, h, w], Distribution::Uniform(-1.0, 1.0), &device);
     let mut ms = Vec::new();
     let mut nms_ms = Vec::new();
     for i in 0..WARM_UP_STEPS + repeats {
@@ -362,20 +415,20 @@ pub fn cases(cuda_devices: &[usize], cores: usize) -> Vec<Case> {
         }
         for d in cuda_devices {
             cases.push(train(d.to_string(), batch, 0, false));
+            cases.push(train(d.to_string(), batch, 0, true));
         }
     }
-    cases.push(Case::Infer {
-        batch: 1,
-        postprocess: false,
-    });
-    cases.push(Case::Infer {
-        batch: 1,
-        postprocess: true,
-    });
-    cases.push(Case::Infer {
-        batch: 8,
-        postprocess: false,
-    });
+    let devices =
+        std::iter::once("cpu".to_string()).chain(cuda_devices.iter().map(usize::to_string));
+    for device in devices {
+        for (batch, postprocess) in [(1, false), (1, true), (8, false)] {
+            cases.push(Case::Infer {
+                device: device.clone(),
+                batch,
+                postprocess,
+            });
+        }
+    }
     cases.push(Case::Data { workers: 1 });
     cases.push(Case::Data { workers: cores });
     cases
@@ -559,5 +612,45 @@ mod tests {
         assert_eq!(s.len(), 2);
         assert_eq!((s[0].batch, s[0].in_memory, s[0].ratio), (8, false, 1.8));
         assert_eq!((s[1].batch, s[1].in_memory, s[1].ratio), (8, true, 1.9));
+    }
+
+    #[test]
+    fn each_gpu_gets_the_training_and_inference_cases_of_the_cpu() {
+        let labels: Vec<_> = cases(&[0], 2).iter().map(Case::label).collect();
+        for batch in [8, 24] {
+            for data in ["", ", batch in memory"] {
+                let train = format!("train --devices 0, batch {batch}{data}");
+                assert!(labels.contains(&train), "{train} missing: {labels:?}");
+            }
+        }
+        for what in [
+            "batch 1, model only",
+            "batch 1 + NMS",
+            "batch 8, model only",
+        ] {
+            for on in ["", "--devices 0, "] {
+                let infer = format!("inference {on}{what}");
+                assert!(labels.contains(&infer), "{infer} missing: {labels:?}");
+            }
+        }
+        let gpu = labels.iter().filter(|l| l.contains("--devices 0")).count();
+        assert_eq!(gpu, 7, "{labels:?}");
+        assert!(
+            cases(&[], 2)
+                .iter()
+                .all(|c| !c.label().contains("--devices 0"))
+        );
+    }
+
+    #[test]
+    fn an_inference_case_without_a_device_runs_on_the_cpu() {
+        let case: Case =
+            serde_json::from_str(r#"{"kind":"infer","batch":8,"postprocess":false}"#).unwrap();
+        let cpu = Case::Infer {
+            device: "cpu".into(),
+            batch: 8,
+            postprocess: false,
+        };
+        assert_eq!(case, cpu);
     }
 }

@@ -6,7 +6,7 @@ mod bench;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use data::DetectionExample;
 use data::prepare::{is_prepared, prepare_synthetic, prepare_voc, synthetic_request};
@@ -108,6 +108,13 @@ fn main() -> Result<()> {
                 .into_iter()
                 .filter(|c| only.as_ref().is_none_or(|o| c.label().contains(o.as_str())))
                 .collect();
+            if cases.is_empty() {
+                bail!(
+                    "no case's label contains {:?} (CUDA devices found: {})",
+                    only.unwrap_or_default(),
+                    cuda.len()
+                );
+            }
             bench::run_all(&cases, repeats.max(1), &out)
         }
         Command::BenchCase {
