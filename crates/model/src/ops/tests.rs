@@ -60,17 +60,22 @@ const CONVS: &[ConvCase] = &[
     ([2, 3, 17, 16], 4, 3, 2, false, true),
 ];
 
+/// The filter bank of a [`ConvCase`]: `[out, in, k, k]`, depthwise `[in, 1, k, k]`.
+fn filter_shape(shape: [usize; 4], out: usize, k: usize, depthwise: bool) -> [usize; 4] {
+    if depthwise {
+        [shape[1], 1, k, k]
+    } else {
+        [out, shape[1], k, k]
+    }
+}
+
 #[test]
 fn conv_matches_reference_values_and_gradients() {
     for (n, &(shape, out, k, stride, depthwise, with_bias)) in CONVS.iter().enumerate() {
         let what =
             format!("conv {shape:?} -> {out} k{k} s{stride} dw={depthwise} bias={with_bias}");
         let x = random(shape, 10 + n as u64);
-        let w_shape = if depthwise {
-            [shape[1], 1, k, k]
-        } else {
-            [out, shape[1], k, k]
-        };
+        let w_shape = filter_shape(shape, out, k, depthwise);
         let w = random(w_shape, 20 + n as u64);
         let bias = with_bias.then(|| random([w_shape[0]], 30 + n as u64));
 
@@ -357,11 +362,7 @@ fn depthwise_between_batch_norms_matches_the_three_operations() {
 fn reference_conv_backward_matches_autodiff() {
     for (n, &(shape, out, k, stride, depthwise, with_bias)) in CONVS.iter().enumerate() {
         let x = random(shape, 50 + n as u64);
-        let w_shape = if depthwise {
-            [shape[1], 1, k, k]
-        } else {
-            [out, shape[1], k, k]
-        };
+        let w_shape = filter_shape(shape, out, k, depthwise);
         let w = random(w_shape, 60 + n as u64);
         let y = conv_same(x.clone(), w.clone(), None, stride, depthwise);
         let upstream = random(y.dims(), 70 + n as u64);
@@ -519,11 +520,7 @@ fn conv_affine_relu6_matches_convolution_then_affine() {
     for (n, &(shape, out, k, stride, depthwise, _)) in CONVS.iter().enumerate() {
         let what = format!("conv + affine {shape:?} -> {out} k{k} s{stride} dw={depthwise}");
         let x = random(shape, 40 + n as u64);
-        let w_shape = if depthwise {
-            [shape[1], 1, k, k]
-        } else {
-            [out, shape[1], k, k]
-        };
+        let w_shape = filter_shape(shape, out, k, depthwise);
         let w = random(w_shape, 50 + n as u64);
         // wide enough that outputs land below 0, inside (0, 6) and above 6
         let scale = random([w_shape[0]], 60 + n as u64).mul_scalar(6.0);
