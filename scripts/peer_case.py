@@ -9,7 +9,12 @@ preloaded (the script does that), as the peer's own "best" figures have it.
 import json
 import sys
 
-peer_dir, figure, config = sys.argv[1:4]
+FIGURES = {"train8": ("train", 8), "train24": ("train", 24), "infer1": ("infer", 1),
+           "infer8": ("infer", 8)}
+peer_dir, figure, config = (sys.argv + [""] * 3)[1:4]
+if figure not in FIGURES or config not in ("default", "best"):
+    sys.exit(f"usage: peer_case.py PEER_DIR {{{'|'.join(FIGURES)}}} {{default|best}}")
+kind, batch = FIGURES[figure]
 sys.path.insert(0, peer_dir)
 import torch  # noqa: E402
 import torch_ssd_mobilenet_v1 as peer  # noqa: E402
@@ -17,7 +22,6 @@ import torch_ssd_mobilenet_v1 as peer  # noqa: E402
 torch.set_num_threads(2)
 best = config == "best"
 anchors = peer.ssd_anchors([(19, 19), (10, 10), (5, 5), (3, 3), (2, 2), (1, 1)])
-kind, batch = figure.rstrip("0123456789"), int(figure.lstrip("trainfe"))
 if kind == "train":
     # the peer's full run: 3 warm-up steps at batch 8, 2 at batch 24
     r = peer.bench_train(batch, 3 if batch == 8 else 2, 10, anchors, channels_last=best)

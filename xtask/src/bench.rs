@@ -22,6 +22,7 @@ use model::ssd::anchors;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use train::config::TrainConfig;
+use train::devices::{Devices, parse_devices};
 use train::learner::{RunOptions, train};
 
 /// One measurement, run in a child process.
@@ -152,9 +153,14 @@ pub fn run_case(case: &Case, scratch: &Path, repeats: usize) -> Result<()> {
             device,
             batch,
             postprocess,
-        } => match device.as_str() {
-            "cpu" => infer_case::<Flex>(Default::default(), *batch, *postprocess, repeats)?,
-            d => cuda_infer(d, *batch, *postprocess, repeats)?,
+        } => match parse_devices(Some(device))?.0 {
+            Devices::Cpu(1) => {
+                infer_case::<Flex>(Default::default(), *batch, *postprocess, repeats)?
+            }
+            Devices::Cuda(ids) if ids.len() == 1 => {
+                cuda_infer(ids[0], *batch, *postprocess, repeats)?
+            }
+            _ => bail!("inference runs on one device, not {device}"),
         },
         Case::Data { workers } => data_case(*workers, scratch, repeats)?,
     };
@@ -243,13 +249,9 @@ fn train_case(
         cluster: None,
         repeat_first_batch: in_memory,
     };
-    let summary = match devices {
-        "cpu" => train::<Flex>(&config, &[Default::default()], &options)?,
-        d if d.starts_with("cpu:") => {
-            let n: usize = d[4..].parse().context("cpu:N")?;
-            train::<Flex>(&config, &vec![Default::default(); n], &options)?
-        }
-        d => cuda_train(&config, d, &options)?,
+    let summary = match parse_devices(Some(devices))?.0 {
+        Devices::Cpu(n) => train::<Flex>(&config, &vec![Default::default(); n], &options)?,
+        Devices::Cuda(ids) => cuda_train(&config, ids, &options)?,
     };
     let steps = &summary.step_seconds[WARM_UP_STEPS.min(summary.step_seconds.len())..];
     let total: f64 = summary.step_seconds.iter().sum();
@@ -263,47 +265,38 @@ fn train_case(
     })
 }
 
-/// The CUDA devices of a comma-separated list of ordinals.
-#[cfg(feature = "cuda")]
-fn parse_cuda_devices(devices: &str) -> Result<Vec<burn::backend::cuda::CudaDevice>> {
-    devices
-        .split(',')
-        .map(|s| {
-            let id = s.trim().parse::<usize>();
-            id.map(burn::backend::cuda::CudaDevice::new)
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .with_context(|| format!("devices {devices}"))
-}
-
 #[cfg(feature = "cuda")]
 fn cuda_train(
     config: &TrainConfig,
-    devices: &str,
+    ids: Vec<usize>,
     options: &RunOptions,
 ) -> Result<train::learner::RunSummary> {
-    train::<burn::backend::Cuda>(config, &parse_cuda_devices(devices)?, options)
+    let devices: Vec<_> = ids
+        .into_iter()
+        .map(burn::backend::cuda::CudaDevice::new)
+        .collect();
+    train::<burn::backend::Cuda>(config, &devices, options)
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_infer(device: &str, batch: usize, with_nms: bool, repeats: usize) -> Result<Measured> {
-    let [device] = <[_; 1]>::try_from(parse_cuda_devices(device)?)
-        .map_err(|_| anyhow::anyhow!("inference runs on one device, not {device}"))?;
+fn cuda_infer(id: usize, batch: usize, with_nms: bool, repeats: usize) -> Result<Measured> {
+    let device = burn::backend::cuda::CudaDevice::new(id);
     infer_case::<burn::backend::Cuda>(device, batch, with_nms, repeats)
 }
 
+// without the `cuda` feature `parse_devices` finds no CUDA device, so these never run
 #[cfg(not(feature = "cuda"))]
 fn cuda_train(
     _: &TrainConfig,
-    devices: &str,
+    _: Vec<usize>,
     _: &RunOptions,
 ) -> Result<train::learner::RunSummary> {
-    bail!("devices {devices}: xtask was built without the cuda feature")
+    bail!("xtask was built without the cuda feature")
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_infer(device: &str, _: usize, _: bool, _: usize) -> Result<Measured> {
-    bail!("device {device}: xtask was built without the cuda feature")
+fn cuda_infer(_: usize, _: usize, _: bool, _: usize) -> Result<Measured> {
+    bail!("xtask was built without the cuda feature")
 }
 
 /// The forward pass (and post-processing) on `device`; each repetition ends when the

@@ -14,7 +14,7 @@ use data::tfrecord::RecordIndex;
 use model::ops::SsdBackend;
 use train::cluster::Cluster;
 use train::config::TrainConfig;
-use train::devices::cuda_device_count;
+use train::devices::{Devices, parse_devices};
 use train::eval::{read_coco, run_on_dataset};
 use train::learner::{RunOptions, train};
 use train::metrics::{COCO_NAMES, Metrics, evaluate};
@@ -168,70 +168,6 @@ struct CheckpointArgs {
     /// Config of the model (default: configs/synthetic.json).
     #[arg(long, default_value = "configs/synthetic.json")]
     config: PathBuf,
-}
-
-/// Where to run.
-enum Devices {
-    Cpu(usize),
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Cuda(Vec<usize>),
-}
-
-fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
-    match spec {
-        None => {
-            let n = cuda_device_count();
-            if n > 0 {
-                Ok((
-                    Devices::Cuda((0..n).collect()),
-                    format!("{n} CUDA device(s) found: training on all of them"),
-                ))
-            } else {
-                Ok((
-                    Devices::Cpu(1),
-                    "no CUDA device found: training on the CPU (one replica)".into(),
-                ))
-            }
-        }
-        Some("cpu") => Ok((Devices::Cpu(1), "training on the CPU (one replica)".into())),
-        Some(s) if s.starts_with("cpu:") => {
-            let n: usize = s[4..]
-                .parse()
-                .with_context(|| format!("--devices {s}: expected cpu:N"))?;
-            if n == 0 {
-                bail!("--devices {s}: at least one replica");
-            }
-            Ok((
-                Devices::Cpu(n),
-                format!("training on the CPU with {n} replicas"),
-            ))
-        }
-        Some(s) => {
-            let ids: Vec<usize> = s
-                .split(',')
-                .map(|p| {
-                    p.trim()
-                        .parse::<usize>()
-                        .with_context(|| format!("--devices {s}: `{p}` is not a CUDA ordinal"))
-                })
-                .collect::<Result<_>>()?;
-            let available = cuda_device_count();
-            if let Some(bad) = ids.iter().find(|&&i| i >= available) {
-                bail!(
-                    "--devices {s}: CUDA device {bad} does not exist ({available} found{})",
-                    if cfg!(feature = "cuda") {
-                        ""
-                    } else {
-                        "; built without the `cuda` feature"
-                    }
-                );
-            }
-            Ok((
-                Devices::Cuda(ids.clone()),
-                format!("training on CUDA devices {ids:?}"),
-            ))
-        }
-    }
 }
 
 fn main() -> Result<()> {
