@@ -34,6 +34,8 @@ pub mod postprocess;
 pub mod preprocess;
 pub mod ssd;
 pub mod targets;
+#[cfg(test)]
+mod test_data;
 pub mod weights;
 
 pub use boxes::BBox;

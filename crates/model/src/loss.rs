@@ -361,7 +361,6 @@ mod tests {
         use crate::targets::{GroundTruth, assign_targets};
         use burn::backend::Flex;
         use burn::module::{Module, ModuleVisitor, Param};
-        use burn::tensor::Distribution;
         type A = Autodiff<Flex>;
 
         let mut config = SsdConfig {
@@ -385,8 +384,7 @@ mod tests {
             &anchors,
             &gt,
         )];
-        <Flex as Backend>::seed(&device, 3);
-        let images = Tensor::<A, 4>::random([1, 3, 64, 64], Distribution::Default, &device);
+        let images = crate::test_data::uniform::<A, 4>([1, 3, 64, 64], (0.0, 1.0), 3, &device);
         let loss = || compute_loss(&net, &config, &anchors, images.clone(), &targets);
 
         let ours = loss().gradients(&net);
