@@ -8,13 +8,8 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{DataError, Result};
 
-const MASK_DELTA: u32 = 0xa282_ead8;
-
 /// The CRC32C of `data`, masked as TFRecord stores it.
-pub fn masked_crc(data: &[u8]) -> u32 {
-    let crc = crc32c::crc32c(data);
-    crc.rotate_right(15).wrapping_add(MASK_DELTA)
-}
+pub use model::tf::bundle::masked_crc32c as masked_crc;
 
 /// Appends records to any writer.
 #[derive(Debug)]

@@ -34,6 +34,14 @@ pub enum ModelError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A TensorFlow checkpoint cannot be read.
+    #[error("TensorFlow checkpoint {path}: {problem}")]
+    Checkpoint {
+        /// The index or data file concerned (or the prefix).
+        path: PathBuf,
+        /// What is wrong, naming the tensor where there is one.
+        problem: String,
+    },
     /// A config or weights file could not be decoded.
     #[error("cannot decode {path}: {problem}")]
     Decode {

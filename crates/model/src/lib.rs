@@ -32,10 +32,12 @@ pub mod ops;
 pub mod portable;
 pub mod postprocess;
 pub mod preprocess;
+pub mod restore;
 pub mod ssd;
 pub mod targets;
 #[cfg(test)]
 mod test_data;
+pub mod tf;
 pub mod weights;
 
 pub use boxes::BBox;

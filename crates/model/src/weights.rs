@@ -14,7 +14,6 @@ use burn::tensor::backend::Backend;
 
 use crate::config::SsdConfig;
 use crate::error::{ModelError, Result};
-use crate::mobilenet::MobileNetV1;
 use crate::ssd::Ssd;
 
 type WeightsRecorder = NamedMpkBytesRecorder<FullPrecisionSettings>;
@@ -84,14 +83,14 @@ fn shapes<B: Backend>(model: &Ssd<B>) -> Vec<(String, Vec<usize>)> {
     collector.shapes
 }
 
-/// Decodes weights into the network of `config`, checking the shapes of the parameters whose
-/// path starts with `prefix` (all of them for an empty prefix).
+/// Decodes weights into the network of `config`, checking the shapes of every parameter
+/// when `check_shapes` is set (without, tensors keep the file's shapes).
 fn decode_checked<B: Backend>(
     config: &SsdConfig,
     bytes: Vec<u8>,
     path: &Path,
     device: &B::Device,
-    prefix: &str,
+    check_shapes: bool,
 ) -> Result<Ssd<B>> {
     let fresh: Ssd<B> = config.init(0, device)?;
     let incompatible = |problem: String| ModelError::IncompatibleWeights {
@@ -105,7 +104,7 @@ fn decode_checked<B: Backend>(
     let loaded = catch_unwind(AssertUnwindSafe(|| fresh.load_record(record)))
         .map_err(|_| incompatible("the file's layer structure differs from the config".into()))?;
     for ((name, want), (_, got)) in expected.iter().zip(shapes(&loaded)) {
-        if name.starts_with(prefix) && *want != got {
+        if check_shapes && *want != got {
             return Err(incompatible(format!(
                 "parameter `{name}` has shape {got:?} in the file but {want:?} in the config \
                  (different num_classes, depth_multiplier or anchors?)"
@@ -122,18 +121,19 @@ pub fn weights_from_bytes<B: Backend>(
     path: &Path,
     device: &B::Device,
 ) -> Result<Ssd<B>> {
-    decode_checked(config, bytes, path, device, "")
+    decode_checked(config, bytes, path, device, true)
 }
 
-/// Takes only the MobileNet backbone out of detection weights, whose heads may have been
-/// made for another number of classes (fine-tuning from a detection checkpoint).
-pub fn backbone_from_bytes<B: Backend>(
+/// Decodes weights of the layer structure of `config` whose tensors may have other shapes
+/// (a checkpoint made for another number of classes, to fine-tune from): each tensor keeps
+/// the file's shape, for [`crate::restore`] to match by name and shape.
+pub fn weights_any_shapes<B: Backend>(
     config: &SsdConfig,
     bytes: Vec<u8>,
     path: &Path,
     device: &B::Device,
-) -> Result<MobileNetV1<B>> {
-    decode_checked(config, bytes, path, device, "backbone").map(|net| net.backbone)
+) -> Result<Ssd<B>> {
+    decode_checked(config, bytes, path, device, false)
 }
 
 /// Loads weights saved by [`save_weights`] into a network built from `config`.

@@ -165,7 +165,7 @@ fn imports_a_hugging_face_mobilenet_v1_backbone() {
 
     let target = config.init::<B>(0, &device).unwrap();
     let extra_before = values(target.extras[0].reduce.conv.weight.val());
-    let imported = import_mobilenet_v1(target, &hf).unwrap();
+    let imported = import_mobilenet_v1(target, &config, &hf).unwrap();
     for (a, b) in [
         (&imported.backbone.conv0, &source.backbone.conv0),
         (
@@ -194,7 +194,7 @@ fn imports_a_hugging_face_mobilenet_v1_backbone() {
         depth_multiplier: 0.5,
         ..small()
     };
-    let err = import_mobilenet_v1(wide.init::<B>(0, &device).unwrap(), &hf).unwrap_err();
+    let err = import_mobilenet_v1(wide.init::<B>(0, &device).unwrap(), &wide, &hf).unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("mobilenet_v1.layer.1.convolution.weight")
@@ -210,6 +210,7 @@ fn imports_a_hugging_face_mobilenet_v1_backbone() {
         TensorView::new(Dtype::F32, vec![16, 3, 3, 3], &data).unwrap(),
     )];
     std::fs::write(&partial, safetensors::serialize(one, None).unwrap()).unwrap();
-    let err = import_mobilenet_v1(config.init::<B>(0, &device).unwrap(), &partial).unwrap_err();
+    let err =
+        import_mobilenet_v1(config.init::<B>(0, &device).unwrap(), &config, &partial).unwrap_err();
     assert!(err.to_string().contains("BatchNorm/gamma"), "{err}");
 }

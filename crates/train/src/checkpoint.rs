@@ -1,5 +1,6 @@
 //! Checkpoints: `ckpt-<step>/` folders holding the weights, the optimizer state, the EMA
-//! weights and `state.json` (step, data position, seed, learning rate). A folder is written
+//! weights, the model config (`model.json`) and `state.json` (step, data position, seed,
+//! learning rate). A folder is written
 //! under a temporary name, fsynced, renamed into place, and only then named in the model dir's
 //! `checkpoint.json`; so a failed or interrupted write leaves the previous checkpoint intact.
 //! The last `keep` checkpoints are kept.
@@ -35,6 +36,9 @@ pub struct CheckpointFiles {
     pub optimizer: Vec<u8>,
     /// EMA weights.
     pub ema: Option<Vec<u8>>,
+    /// The model config as JSON (`model.json`), so the checkpoint can be used without its
+    /// training config.
+    pub model_config: Vec<u8>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -84,6 +88,10 @@ pub fn save(
         if let Some(ema) = &files.ema {
             write_file(&tmp.join("ema.mpk"), ema)?;
         }
+        write_file(
+            &tmp.join(crate::trained::MODEL_CONFIG_FILE),
+            &files.model_config,
+        )?;
         write_file(
             &tmp.join("state.json"),
             serde_json::to_string_pretty(state)?.as_bytes(),
@@ -149,6 +157,7 @@ mod tests {
             weights: vec![1, 2],
             optimizer: vec![3],
             ema: None,
+            model_config: b"{}".to_vec(),
         }
     }
 

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use data::augment::Augmentation;
 use model::SsdConfig;
+use model::restore::RestoreScope;
 use serde::{Deserialize, Serialize};
 
 /// A whole training config.
@@ -40,14 +41,18 @@ pub struct TrainSettings {
     /// Clip the gradients to this global norm (`gradient_clipping_by_norm`); `null` disables.
     #[serde(default)]
     pub gradient_clipping_by_norm: Option<f32>,
-    /// Weights to start from: a checkpoint dir, a weights file of this model (`.mpk`), or a
-    /// `.safetensors` file (`model::portable` layout; with `fine_tune_backbone_only`, also a
-    /// Hugging Face `google/mobilenet_v1_*` backbone).
+    /// Weights to start from (`fine_tune_checkpoint`): a TensorFlow checkpoint prefix
+    /// (`.../model.ckpt`), a model dir or checkpoint folder of this project, a weights file
+    /// (`.mpk`), or a `.safetensors` file (`model::portable` layout, or with
+    /// `fine_tune_restore: classification` a Hugging Face `google/mobilenet_v1_*` backbone).
     #[serde(default)]
     pub fine_tune_checkpoint: Option<PathBuf>,
-    /// Restore only the backbone (`fine_tune_checkpoint_type: classification`).
+    /// Which of its variables are restored: `all` (every name and shape that match,
+    /// `load_all_detection_checkpoint_vars: true`), `feature_extractor` (`detection`) or
+    /// `classification` (the backbone from an ImageNet classification checkpoint). Optimizer
+    /// slots and moving-average shadows are never restored when fine-tuning.
     #[serde(default)]
-    pub fine_tune_backbone_only: bool,
+    pub fine_tune_restore: RestoreScope,
     /// Seed of weights, shuffling and augmentation.
     #[serde(default)]
     pub seed: u64,
@@ -228,12 +233,12 @@ impl Default for EvalSettings {
 
 impl TrainConfig {
     /// Reads and validates a JSON config, or imports a TF Object Detection API
-    /// `pipeline.config` (a `.config` file; what the import ignores is logged as warnings).
+    /// `pipeline.config` (a `.config` file; each note of the import is printed to stderr).
     pub fn load(path: &Path) -> Result<Self> {
         if path.extension().is_some_and(|e| e == "config") {
             let imported = crate::pipeline_config::import(path)?;
             for note in &imported.notes {
-                tracing::warn!("{}: {note}", path.display());
+                eprintln!("note: {}: {note}", path.display());
             }
             return Ok(imported.config);
         }

@@ -24,9 +24,8 @@ use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
 use model::loss::compute_loss;
 use model::ops::SsdBackend;
-use model::portable::{import_mobilenet_v1, load_safetensors};
 use model::targets::assign_targets;
-use model::weights::{backbone_from_bytes, load_weights, weights_from_bytes, weights_to_bytes};
+use model::weights::{load_weights, weights_from_bytes, weights_to_bytes};
 use model::{BBox, Ssd};
 use serde::Serialize;
 use serde_json::json;
@@ -414,28 +413,17 @@ fn starting_point<B: Backend>(
     }
     let mut model = mc.init::<Train<B>>(config.train.seed, device)?;
     if let Some(source) = &config.train.fine_tune_checkpoint {
-        let weights = if source.is_dir() {
-            checkpoint::latest(source)?
-                .with_context(|| format!("{} holds no checkpoint", source.display()))?
-                .join("model.mpk")
-        } else {
-            source.clone()
-        };
-        let safetensors = weights.extension().is_some_and(|e| e == "safetensors");
-        if safetensors && config.train.fine_tune_backbone_only {
-            model = import_mobilenet_v1(model, &weights)?;
-        } else if safetensors {
-            model = load_safetensors(mc, &weights, device)?;
-        } else if config.train.fine_tune_backbone_only {
-            let bytes = std::fs::read(&weights)
-                .with_context(|| format!("reading {}", weights.display()))?;
-            model.backbone = backbone_from_bytes::<Train<B>>(mc, bytes, &weights, device)?;
-        } else {
-            let bytes = std::fs::read(&weights)
-                .with_context(|| format!("reading {}", weights.display()))?;
-            model = weights_from_bytes(mc, bytes, &weights, device)?;
+        let scope = config.train.fine_tune_restore;
+        let (restored, report) = crate::trained::fine_tune(model, mc, source, scope, device)?;
+        model = restored;
+        log(format!(
+            "fine-tuning from {} (restore scope `{}`)",
+            source.display(),
+            scope.name()
+        ));
+        for line in report.summary(source) {
+            log(line);
         }
-        log(format!("fine-tuning from {}", weights.display()));
     }
     Ok(Start {
         model,
@@ -722,6 +710,7 @@ pub fn train<B: SsdBackend>(
                 weights,
                 optimizer,
                 ema,
+                model_config: serde_json::to_vec_pretty(&config.model)?,
             },
             config.train.keep_checkpoints,
         )

@@ -18,3 +18,4 @@ pub mod metrics;
 pub mod optim;
 pub mod pipeline_config;
 pub mod sync;
+pub mod trained;

@@ -13,11 +13,12 @@ use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
 use model::ops::SsdBackend;
 use train::cluster::Cluster;
-use train::config::TrainConfig;
+use train::config::{EvalSettings, TrainConfig};
 use train::devices::{Devices, parse_devices};
 use train::eval::{read_coco, run_on_dataset};
 use train::learner::{RunOptions, train};
 use train::metrics::{COCO_NAMES, Metrics, evaluate};
+use train::trained::{TrainedModel, Weights};
 
 #[derive(Parser)]
 #[command(
@@ -86,12 +87,17 @@ enum Command {
     /// Evaluate a checkpoint on a dataset, or score COCO-format detections against COCO ground
     /// truth; prints the COCO and VOC metrics.
     Eval {
-        /// Model dir (its latest checkpoint) or a checkpoint folder.
+        /// The model: a model dir (its latest checkpoint), a checkpoint folder, an exported
+        /// `.safetensors` file or a TensorFlow checkpoint prefix.
         #[arg(long, conflicts_with_all = ["ground_truth", "detections"])]
         model_dir: Option<PathBuf>,
-        /// Config of the model (default: configs/synthetic.json).
-        #[arg(long, default_value = "configs/synthetic.json")]
-        config: PathBuf,
+        /// Training config (JSON or pipeline.config): the model config (default: the one
+        /// stored with the weights) and `data.eval` / `eval` settings.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Raw or moving-average weights (default: the moving average where there is one).
+        #[arg(long, value_enum)]
+        weights: Option<Weights>,
         /// Evaluation TFRecords (default: the config's `data.eval`).
         #[arg(long, num_args = 1..)]
         data: Vec<String>,
@@ -147,9 +153,10 @@ enum Command {
         #[arg(long)]
         model_dir: PathBuf,
     },
-    /// Write a checkpoint's inference weights (its EMA weights when the run keeps them) as
-    /// safetensors (names in `model::portable`), and the model config as JSON beside it
-    /// (`FILE.json`); `model::Detector::load` takes both.
+    /// Write a model's inference weights (by default its moving-average weights when it keeps
+    /// them) as safetensors (names in `model::portable`, the model config in the metadata),
+    /// and the model config as JSON beside it (`FILE.json`); `model::Detector::load` takes
+    /// the file.
     Export {
         #[command(flatten)]
         checkpoint: CheckpointArgs,
@@ -157,17 +164,47 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Convert a TensorFlow Object Detection API checkpoint (`PREFIX.index` +
+    /// `PREFIX.data-*`) of SSD-MobileNet-v1 into safetensors (as `export` writes them), to
+    /// continue training it (`train.fine_tune_checkpoint`) or to deploy it.
+    ImportCheckpoint {
+        /// The checkpoint prefix (e.g. `.../model.ckpt-200000`), its `.index` file, or a
+        /// folder with a `checkpoint` state file.
+        prefix: PathBuf,
+        /// The model's config (JSON or the API's pipeline.config).
+        #[arg(long)]
+        config: PathBuf,
+        /// The safetensors file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Take the `ExponentialMovingAverage` shadows (what the API evaluates and exports
+        /// with `use_moving_average`) instead of the trained values.
+        #[arg(long)]
+        moving_average: bool,
+    },
 }
 
-/// A trained model: its checkpoint and its config.
+/// A trained model: its weights and its config.
 #[derive(clap::Args)]
 struct CheckpointArgs {
-    /// Model dir (its latest checkpoint) or a checkpoint folder.
+    /// The model: a model dir (its latest checkpoint), a checkpoint folder, an exported
+    /// `.safetensors` file or a TensorFlow checkpoint prefix.
     #[arg(long)]
     model_dir: PathBuf,
-    /// Config of the model (default: configs/synthetic.json).
-    #[arg(long, default_value = "configs/synthetic.json")]
-    config: PathBuf,
+    /// Config of the model, JSON or pipeline.config (default: the one stored with the
+    /// weights; a TensorFlow checkpoint needs one).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Raw or moving-average weights (default: the moving average where there is one).
+    #[arg(long, value_enum)]
+    weights: Option<Weights>,
+}
+
+impl CheckpointArgs {
+    fn locate(&self) -> Result<TrainedModel> {
+        let config = self.config.as_deref().map(TrainConfig::load).transpose()?;
+        TrainedModel::locate(&self.model_dir, config.map(|c| c.model), self.weights)
+    }
 }
 
 fn main() -> Result<()> {
@@ -182,6 +219,7 @@ fn main() -> Result<()> {
         Some(Command::Eval {
             model_dir,
             config,
+            weights,
             data,
             ground_truth,
             detections,
@@ -193,7 +231,10 @@ fn main() -> Result<()> {
                     let (images, names) = read_coco(&gt, &dt)?;
                     evaluate(&images, &names)
                 }
-                (_, _, Some(dir)) => eval_checkpoint(&dir, &config, &data, &device)?,
+                (_, _, Some(dir)) => {
+                    let config = config.as_deref().map(TrainConfig::load).transpose()?;
+                    eval_checkpoint(&dir, config, weights, &data, &device)?
+                }
                 _ => bail!("eval needs --model-dir, or --ground-truth with --detections"),
             };
             print_metrics(&metrics);
@@ -206,8 +247,30 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Some(Command::Export { checkpoint, out }) => {
-            export(&checkpoint.model_dir, &checkpoint.config, &out)
+        Some(Command::Export { checkpoint, out }) => export(&checkpoint.locate()?, &out),
+        Some(Command::ImportCheckpoint {
+            prefix,
+            config,
+            out,
+            moving_average,
+        }) => {
+            if !model::tf::bundle::is_checkpoint(&prefix) {
+                bail!(
+                    "{}: no TensorFlow checkpoint there (no {}.index)",
+                    prefix.display(),
+                    prefix.display()
+                );
+            }
+            let config = TrainConfig::load(&config)?.model;
+            let weights = if moving_average {
+                Weights::MovingAverage
+            } else {
+                Weights::Raw
+            };
+            export(
+                &TrainedModel::locate(&prefix, Some(config), Some(weights))?,
+                &out,
+            )
         }
         Some(Command::ImportConfig { pipeline, out }) => {
             let imported = train::pipeline_config::import(&pipeline)?;
@@ -234,32 +297,31 @@ fn main() -> Result<()> {
             device,
             images,
         }) => {
-            let config = TrainConfig::load(&checkpoint.config)?;
-            let weights = inference_weights(&checkpoint.model_dir)?;
+            let trained = checkpoint.locate()?;
             let files = train::detect::image_files(&images)?;
             fn run<B: SsdBackend>(
-                config: &TrainConfig,
-                weights: &Path,
+                trained: &TrainedModel,
                 files: &[PathBuf],
                 out: &Path,
                 threshold: f32,
                 max: usize,
                 device: B::Device,
             ) -> Result<usize> {
-                let detector = model::Detector::<B>::load(config.model.clone(), weights, &device)?;
+                let net = trained.load::<B>(&device)?;
+                let detector = model::Detector::new(trained.config.clone(), net, &device)?;
                 let results = train::detect::detect_files(&detector, files, out, threshold, max)?;
                 Ok(results.iter().map(|r| r.detections.len()).sum())
             }
             let (t, m) = (score_threshold, max_detections);
             let found = match device.as_str() {
-                "cpu" => run::<Flex>(&config, &weights, &files, &out, t, m, Default::default())?,
+                "cpu" => run::<Flex>(&trained, &files, &out, t, m, Default::default())?,
                 #[cfg(feature = "cuda")]
                 d => {
                     let i: usize = d
                         .parse()
                         .with_context(|| format!("--device {d}: expected cpu or a CUDA ordinal"))?;
                     let device = burn::backend::cuda::CudaDevice::new(i);
-                    run::<burn::backend::Cuda>(&config, &weights, &files, &out, t, m, device)?
+                    run::<burn::backend::Cuda>(&trained, &files, &out, t, m, device)?
                 }
                 #[cfg(not(feature = "cuda"))]
                 d => bail!("--device {d}: built without the `cuda` feature"),
@@ -274,45 +336,26 @@ fn main() -> Result<()> {
     }
 }
 
-fn export(dir: &Path, config: &Path, out: &Path) -> Result<()> {
-    let config = TrainConfig::load(config)?;
-    let weights = inference_weights(dir)?;
-    let net = model::weights::load_weights::<Flex>(&config.model, &weights, &Default::default())?;
+fn export(trained: &TrainedModel, out: &Path) -> Result<()> {
+    let net = trained.load::<Flex>(&Default::default())?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
-    model::portable::save_safetensors(&net, &config.model, out)?;
+    model::portable::save_safetensors(&net, &trained.config, out)?;
     let json = out.with_extension("json");
     model::weights::write_atomic(
         &json,
-        serde_json::to_string_pretty(&config.model)?.as_bytes(),
+        serde_json::to_string_pretty(&trained.config)?.as_bytes(),
     )
     .with_context(|| format!("writing {}", json.display()))?;
     println!(
         "exported {} to {} (config {})",
-        weights.display(),
+        trained.describe(),
         out.display(),
         json.display()
     );
     Ok(())
-}
-
-/// The weights inference should use from a model dir or checkpoint folder: the EMA weights
-/// when the run keeps them, else the trained ones.
-fn inference_weights(dir: &Path) -> Result<PathBuf> {
-    let ckpt = if dir.join("state.json").is_file() {
-        dir.to_path_buf()
-    } else {
-        train::checkpoint::latest(dir)?
-            .with_context(|| format!("{} holds no checkpoint", dir.display()))?
-    };
-    let state = train::checkpoint::read_state(&ckpt)?;
-    Ok(if state.has_ema {
-        ckpt.join("ema.mpk")
-    } else {
-        ckpt.join("model.mpk")
-    })
 }
 
 fn print_metrics(m: &Metrics) {
@@ -325,11 +368,17 @@ fn print_metrics(m: &Metrics) {
     }
 }
 
-fn eval_checkpoint(dir: &Path, config: &Path, data: &[String], device: &str) -> Result<Metrics> {
-    let config = TrainConfig::load(config)?;
-    let weights = inference_weights(dir)?;
+fn eval_checkpoint(
+    dir: &Path,
+    config: Option<TrainConfig>,
+    weights: Option<Weights>,
+    data: &[String],
+    device: &str,
+) -> Result<Metrics> {
+    let trained = TrainedModel::locate(dir, config.as_ref().map(|c| c.model.clone()), weights)?;
+    let settings = config.map(|c| (c.data.eval, c.eval)).unwrap_or_default();
     let patterns = if data.is_empty() {
-        config.data.eval.clone()
+        settings.0
     } else {
         data.to_vec()
     };
@@ -337,37 +386,38 @@ fn eval_checkpoint(dir: &Path, config: &Path, data: &[String], device: &str) -> 
         bail!("no evaluation data: pass --data or set `data.eval` in the config");
     }
     let index = RecordIndex::build(&expand_patterns(&patterns)?)?;
-    let names: Vec<String> = (1..=config.model.num_classes)
-        .map(|i| config.model.class_name(i))
+    let names: Vec<String> = (1..=trained.config.num_classes)
+        .map(|i| trained.config.class_name(i))
         .collect();
     fn run<B: SsdBackend>(
-        config: &TrainConfig,
-        weights: &Path,
+        trained: &TrainedModel,
+        eval: &EvalSettings,
         index: &RecordIndex,
         names: &[String],
         device: B::Device,
     ) -> Result<Metrics> {
-        let net = model::weights::load_weights::<B>(&config.model, weights, &device)?;
+        let net = trained.load::<B>(&device)?;
         let results = run_on_dataset(
             &net,
-            &config.model,
+            &trained.config,
             index,
-            config.eval.max_images,
-            config.eval.batch_size,
+            eval.max_images,
+            eval.batch_size,
             &device,
         )?;
         Ok(evaluate(&results, names))
     }
+    let eval = &settings.1;
     match device {
-        "cpu" => run::<Flex>(&config, &weights, &index, &names, Default::default()),
+        "cpu" => run::<Flex>(&trained, eval, &index, &names, Default::default()),
         #[cfg(feature = "cuda")]
         d => {
             let i: usize = d
                 .parse()
                 .with_context(|| format!("--device {d}: expected cpu or a CUDA ordinal"))?;
             run::<burn::backend::Cuda>(
-                &config,
-                &weights,
+                &trained,
+                eval,
                 &index,
                 &names,
                 burn::backend::cuda::CudaDevice::new(i),

@@ -13,6 +13,7 @@ use data::augment::{Augmentation, CropOperation};
 use data::textproto::{Field, Message, Scalar, Value};
 use model::SsdConfig;
 use model::config::{HardExampleMinerConfig, MinerLossType};
+use model::restore::RestoreScope;
 
 use crate::config::{
     DataSettings, EvalSettings, LearningRate, OptimizerConfig, TrainConfig, TrainSettings,
@@ -849,33 +850,32 @@ fn read_train(
         },
         report,
     );
-    let fine_tune_backbone_only = match checkpoint_type.as_str() {
-        "detection" => false,
-        "classification" => true,
-        other => {
+    let load_all = t.flag("load_all_detection_checkpoint_vars", false, report);
+    let fine_tune_restore = match (checkpoint_type.as_str(), load_all) {
+        ("detection", true) => RestoreScope::All,
+        ("detection", false) => RestoreScope::FeatureExtractor,
+        ("classification", _) => RestoreScope::Classification,
+        (other, _) => {
             report.errors.push(format!(
                 "{path}.fine_tune_checkpoint_type: `{other}` is not supported (detection or classification)"
             ));
-            false
+            RestoreScope::All
         }
     };
-    let fine_tune_checkpoint = match fine_tune.as_str() {
-        "" => None,
-        f if f.ends_with(".safetensors") || f.ends_with(".mpk") || Path::new(f).is_dir() => {
-            Some(PathBuf::from(f))
-        }
-        f => {
-            report.notes.push(format!(
-                "{path}.fine_tune_checkpoint: {f} is a TensorFlow checkpoint, which is not read here: training starts from scratch unless `train.fine_tune_checkpoint` names a .safetensors file (`train export` layout, or a Hugging Face MobileNet-v1 backbone)"
-            ));
-            None
-        }
-    };
-    t.ignore(
-        &["load_all_detection_checkpoint_vars"],
-        "every variable of matching name and shape is restored",
-        report,
-    );
+    let fine_tune_checkpoint = (!fine_tune.is_empty()).then(|| PathBuf::from(&fine_tune));
+    if fine_tune.contains("PATH_TO_BE_CONFIGURED") {
+        report.notes.push(format!(
+            "{path}.fine_tune_checkpoint: {fine_tune} still has to be filled in (training stops at its start until it names a checkpoint)"
+        ));
+    } else if let Some(f) = &fine_tune_checkpoint
+        && !model::tf::bundle::is_checkpoint(f)
+        && !f.exists()
+    {
+        report.notes.push(format!(
+            "{path}.fine_tune_checkpoint: {} does not exist (yet): training stops at its start unless it does",
+            f.display()
+        ));
+    }
     let clip = t.number("gradient_clipping_by_norm", 0.0f32, report);
     for mut step in t.children("data_augmentation_options", report) {
         if let Some(a) = read_augmentation(&mut step, report) {
@@ -931,7 +931,7 @@ fn read_train(
         moving_average_decay,
         gradient_clipping_by_norm: (clip > 0.0).then_some(clip),
         fine_tune_checkpoint,
-        fine_tune_backbone_only: fine_tune_backbone_only && !fine_tune.is_empty(),
+        fine_tune_restore,
         seed: 0,
         checkpoint_every: 1000,
         keep_checkpoints: 5,

@@ -56,7 +56,7 @@ fn config(dir: &Path, steps: u64) -> TrainConfig {
             moving_average_decay: None,
             gradient_clipping_by_norm: None,
             fine_tune_checkpoint: None,
-            fine_tune_backbone_only: false,
+            fine_tune_restore: model::restore::RestoreScope::All,
             seed: 5,
             checkpoint_every: 2,
             keep_checkpoints: 5,

@@ -24,7 +24,9 @@ fn matches_shipped(sample: &str, shipped: &str) -> TrainConfig {
     let imported = import(&fixture(sample)).unwrap();
     let notes = imported.notes.join("\n");
     assert!(
-        notes.contains("model.ckpt is a TensorFlow checkpoint"),
+        notes.contains(
+            "fine_tune_checkpoint: PATH_TO_BE_CONFIGURED/model.ckpt still has to be filled in"
+        ),
         "{notes}"
     );
     assert!(notes.contains("still has to be filled in"), "{notes}");
@@ -38,10 +40,17 @@ fn matches_shipped(sample: &str, shipped: &str) -> TrainConfig {
     assert!(config.data.train[0].starts_with("PATH_TO_BE_CONFIGURED/"));
     config.data.train = json.data.train.clone();
     config.data.eval = json.data.eval.clone();
+    // the sample's checkpoint path is a placeholder too; the shipped JSON leaves it unset
+    assert_eq!(
+        config.train.fine_tune_checkpoint.as_deref(),
+        Some(Path::new("PATH_TO_BE_CONFIGURED/model.ckpt"))
+    );
+    config.train.fine_tune_checkpoint = None;
     assert_eq!(config, json);
     // `--config` takes the pipeline.config itself
     let mut direct = TrainConfig::load(&fixture(sample)).unwrap();
     direct.data = json.data.clone();
+    direct.train.fine_tune_checkpoint = None;
     assert_eq!(direct, json);
     config
 }

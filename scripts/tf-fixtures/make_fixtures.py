@@ -1,0 +1,772 @@
+#!/usr/bin/env python3
+"""Generate the TensorFlow reference fixtures under crates/model/tests/fixtures/tf/.
+
+Runs real TensorFlow (tensorflow-cpu 2.21) and the TF Object Detection API's own
+code (PyPI sdist tf-models-research-object-detection 2.8.0.post1, unpacked
+outside this repo by setup.sh).  See PROVENANCE.md next to this file.
+
+usage:
+  make_fixtures.py                 # every part, each in its own process
+  make_fixtures.py --part NAME     # one of: bundle_v1 bundle_tf2 ssd slim
+
+Each part runs in a fresh Python process because TF1 (graph) mode and TF2
+(eager) mode cannot be mixed in one process.
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+OUT = os.path.join(REPO, "crates", "model", "tests", "fixtures", "tf")
+TF_REF = os.environ.get("TF_REF", "/work/tf-ref")
+SRC = os.path.join(TF_REF, "src", "tf_models_research_object_detection-2.8.0.post1")
+MAO = os.path.join(TF_REF, "tf115", "tensorflow_core", "contrib", "opt", "python",
+                   "training", "moving_average_optimizer.py")
+PIPELINE = os.path.join(HERE, "pipeline.config")
+PARTS = ["bundle_v1", "bundle_tf2", "slim", "ssd"]
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+
+def session_config(tf, cpus=1):
+    return tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=1, inter_op_parallelism_threads=1,
+        device_count={"CPU": cpus})
+
+
+def import_tf_v1():
+    import tensorflow as tf
+    tf.compat.v1.disable_v2_behavior()
+    tf.compat.v1.disable_eager_execution()
+    return tf
+
+
+def write_json(path, obj):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=False)
+        fh.write("\n")
+
+
+def _varint(buf, pos):
+    shift = result = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _block_entries(buf):
+    """Entries of one LevelDB-style table block (TF's lib/io/table format)."""
+    num_restarts = struct.unpack("<I", buf[-4:])[0]
+    end = len(buf) - 4 - 4 * num_restarts
+    pos, key = 0, b""
+    while pos < end:
+        shared, pos = _varint(buf, pos)
+        non_shared, pos = _varint(buf, pos)
+        vlen, pos = _varint(buf, pos)
+        key = key[:shared] + buf[pos:pos + non_shared]
+        pos += non_shared
+        yield key, buf[pos:pos + vlen]
+        pos += vlen
+
+
+def read_bundle_index(path):
+    """Parse a V2 checkpoint .index file: {key: BundleEntryProto}, header at ''.
+
+    Used only to record shard ids / offsets / crc32c in the JSON files (the
+    tensors themselves are read back with TF's own checkpoint reader)."""
+    from tensorflow.core.protobuf import tensor_bundle_pb2
+    data = open(path, "rb").read()
+    footer = data[-48:]
+    assert struct.unpack("<Q", footer[-8:])[0] == 0xDB4775248B80FB57, "bad table magic"
+    _, p = _varint(footer, 0)
+    _, p = _varint(footer, p)  # metaindex handle (unused)
+    index_off, p = _varint(footer, p)
+    index_size, p = _varint(footer, p)
+    out = {}
+    for _, handle in _block_entries(data[index_off:index_off + index_size]):
+        off, q = _varint(handle, 0)
+        size, q = _varint(handle, q)
+        assert data[off + size] == 0, "compressed block"
+        for key, value in _block_entries(data[off:off + size]):
+            k = key.decode("utf-8")
+            if k == "":
+                msg = tensor_bundle_pb2.BundleHeaderProto()
+            else:
+                msg = tensor_bundle_pb2.BundleEntryProto()
+            msg.ParseFromString(value)
+            out[k] = msg
+    return out
+
+
+def entry_info(e):
+    from tensorflow.core.framework import types_pb2
+    return {"shard_id": e.shard_id, "offset": e.offset, "size": e.size,
+            "crc32c": e.crc32c, "index_dtype": types_pb2.DataType.Name(e.dtype)}
+
+
+def describe_value(arr, tf_dtype_name):
+    """JSON description of a numpy value read back from a checkpoint."""
+    import numpy as np
+    d = {"dtype": tf_dtype_name, "shape": list(arr.shape)}
+    if arr.dtype == object or arr.dtype.kind == "S":
+        flat = [x if isinstance(x, bytes) else bytes(x) for x in arr.reshape(-1)]
+        d["values"] = [x.decode("utf-8", "backslashreplace") for x in flat]
+        d["values_hex"] = [x.hex() for x in flat]
+        return d
+    if tf_dtype_name == "bfloat16":
+        d["values"] = [float(x) for x in arr.astype(np.float32).reshape(-1)]
+    elif arr.dtype.kind == "f":
+        d["values"] = [float(x) for x in arr.reshape(-1)]
+        # shortest decimal that round-trips at the stored precision
+        d["values_repr"] = [repr(x.item()) if arr.dtype == np.float64 else str(x)
+                            for x in arr.reshape(-1)]
+    elif arr.dtype.kind == "b":
+        d["values"] = [bool(x) for x in arr.reshape(-1)]
+    else:
+        d["values"] = [int(x) for x in arr.reshape(-1)]
+    d["bytes_le_hex"] = np.ascontiguousarray(arr).tobytes().hex()
+    return d
+
+
+def read_all(prefix):
+    """{key: (numpy value, dtype name)} with TF's own checkpoint reader."""
+    import tensorflow as tf
+    reader = tf.compat.v1.train.NewCheckpointReader(prefix)
+    dmap = reader.get_variable_to_dtype_map()
+    import numpy as np
+    out = {}
+    for k in sorted(dmap):
+        v = reader.get_tensor(k)
+        v = np.array(v, dtype=object) if isinstance(v, bytes) else np.asarray(v)
+        out[k] = (v, dmap[k].name)
+    return out
+
+
+def remove_if_exists(*paths):
+    for p in paths:
+        if os.path.exists(p):
+            os.remove(p)
+
+
+# ----------------------------------------------------------------------------
+# bundle: TF1 Saver checkpoints (dtypes, sharded)
+# ----------------------------------------------------------------------------
+
+def part_bundle_v1():
+    import numpy as np
+    import ml_dtypes
+    tf = import_tf_v1()
+    out = os.path.join(OUT, "bundle")
+    os.makedirs(out, exist_ok=True)
+
+    rng = np.random.default_rng(1001)
+    specs = [
+        ("dtypes/float32", tf.float32,
+         np.array([[1.5, -2.25, 1.0 / 3.0], [3.4e38, 1e-45, -0.0]], np.float32)),
+        ("dtypes/float64", tf.float64,
+         np.array([1.0 / 3.0, -0.0, 1e-310, -1.5e300], np.float64)),
+        ("dtypes/int32", tf.int32, np.array([-2147483648, 0, 2147483647], np.int32)),
+        ("dtypes/int64", tf.int64, np.array(-9007199254740993, np.int64)),
+        ("dtypes/float16", tf.float16,
+         np.array([0.5, -65504.0, 6e-8, 1.0 / 3.0, 0.0], np.float16)),
+        ("dtypes/bfloat16", tf.bfloat16,
+         np.array([1.0 / 3.0, -3.0e38], ml_dtypes.bfloat16)),
+        ("dtypes/uint8", tf.uint8, np.array([0, 1, 128, 255], np.uint8)),
+        ("dtypes/int8", tf.int8, np.array([-128, -1, 127], np.int8)),
+        ("dtypes/int16", tf.int16, np.array([-32768, 12345, 32767], np.int16)),
+        ("dtypes/bool", tf.bool, np.array([True, False, True])),
+        ("dtypes/string_scalar", tf.string, np.array(b"hello, bundle", object)),
+        ("dtypes/string_vector", tf.string,
+         np.array([b"", b"a", b"\x00\xff binary \xc3\xa9", b"x" * 200], object)),
+        ("dtypes/float32_4d", tf.float32,
+         rng.standard_normal((3, 3, 2, 4)).astype(np.float32)),
+        ("dtypes/empty_0x3", tf.float32, np.zeros((0, 3), np.float32)),
+    ]
+    g = tf.Graph()
+    with g.as_default():
+        variables = []
+        for name, dt, val in specs:
+            variables.append(tf.compat.v1.Variable(
+                tf.constant(val, dtype=dt), name=name, dtype=dt))
+        saver = tf.compat.v1.train.Saver(
+            variables, write_version=tf.compat.v1.train.SaverDef.V2)
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            prefix = os.path.join(out, "dtypes.ckpt")
+            saver.save(sess, prefix, write_meta_graph=False, write_state=False)
+    index = read_bundle_index(prefix + ".index")
+    tensors = []
+    for key, (arr, dname) in read_all(prefix).items():
+        d = {"name": key}
+        d.update(describe_value(arr, dname))
+        d.update(entry_info(index[key]))
+        tensors.append(d)
+    hdr = index[""]
+    write_json(os.path.join(out, "dtypes.json"), {
+        "prefix": "dtypes.ckpt",
+        "writer": "tf.compat.v1.train.Saver (V2), TF " + tf.__version__,
+        "header": {"num_shards": hdr.num_shards, "endianness": hdr.endianness,
+                   "version_producer": hdr.version.producer},
+        "tensors": tensors})
+
+    # ---- sharded: two devices, Saver(sharded=True) -> one data shard each
+    rng = np.random.default_rng(1002)
+    g = tf.Graph()
+    with g.as_default():
+        with tf.device("/cpu:0"):
+            a = tf.compat.v1.Variable(rng.standard_normal((2, 3)).astype(np.float32),
+                                      name="cpu0/weights")
+            b = tf.compat.v1.Variable(np.array([7, 8, 9], np.int64), name="cpu0/counts")
+        with tf.device("/cpu:1"):
+            c = tf.compat.v1.Variable(rng.standard_normal((4,)).astype(np.float32),
+                                      name="cpu1/bias")
+            d = tf.compat.v1.Variable(rng.standard_normal((2, 2)).astype(np.float64),
+                                      name="cpu1/matrix")
+        saver = tf.compat.v1.train.Saver([a, b, c, d], sharded=True)
+        with tf.compat.v1.Session(graph=g, config=session_config(tf, cpus=2)) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            prefix = os.path.join(out, "sharded.ckpt")
+            saver.save(sess, prefix, write_meta_graph=False, write_state=False)
+            devices = {v.op.name: v.device for v in [a, b, c, d]}
+    index = read_bundle_index(prefix + ".index")
+    tensors = []
+    for key, (arr, dname) in read_all(prefix).items():
+        dd = {"name": key, "device": devices[key]}
+        dd.update(describe_value(arr, dname))
+        dd.update(entry_info(index[key]))
+        tensors.append(dd)
+    hdr = index[""]
+    write_json(os.path.join(out, "sharded.json"), {
+        "prefix": "sharded.ckpt",
+        "writer": "tf.compat.v1.train.Saver(sharded=True), session with 2 CPU devices, TF "
+                  + tf.__version__,
+        "header": {"num_shards": hdr.num_shards, "endianness": hdr.endianness,
+                   "version_producer": hdr.version.producer},
+        "tensors": tensors})
+
+
+# ----------------------------------------------------------------------------
+# bundle: TF2 object-based checkpoint
+# ----------------------------------------------------------------------------
+
+def part_bundle_tf2():
+    import numpy as np
+    import tensorflow as tf
+    from google.protobuf import json_format
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    out = os.path.join(OUT, "bundle")
+    rng = np.random.default_rng(1003)
+
+    class Dense(tf.Module):
+        def __init__(self, name):
+            super().__init__(name=name)
+            self.kernel = tf.Variable(rng.standard_normal((3, 2)).astype(np.float32),
+                                      name="kernel")
+            self.bias = tf.Variable(rng.standard_normal((2,)).astype(np.float32),
+                                    name="bias")
+
+    ckpt = tf.train.Checkpoint(
+        layer=Dense("layer"),
+        step=tf.Variable(np.int64(42), name="step"),
+        scale=tf.Variable(np.float32(0.75), name="scale"))
+    base = os.path.join(out, "tf2.ckpt")
+    for f in os.listdir(out):
+        if f.startswith("tf2.ckpt"):
+            os.remove(os.path.join(out, f))
+    path = ckpt.save(base)  # -> tf2.ckpt-1.{index,data-00000-of-00001}
+    remove_if_exists(os.path.join(out, "checkpoint"))  # state file, not needed
+    index = read_bundle_index(path + ".index")
+    reader = tf.train.load_checkpoint(path)
+    dmap = reader.get_variable_to_dtype_map()
+    tensors = []
+    graph_dict = None
+    for key in sorted(dmap):
+        arr = reader.get_tensor(key)
+        d = {"name": key}
+        if key == "_CHECKPOINTABLE_OBJECT_GRAPH":
+            g = trackable_object_graph_pb2.TrackableObjectGraph()
+            g.ParseFromString(arr if isinstance(arr, bytes) else arr.item())
+            graph_dict = json_format.MessageToDict(g, preserving_proto_field_name=True)
+            d.update({"dtype": dmap[key].name, "shape": [],
+                      "note": "serialized tensorflow.TrackableObjectGraph; parsed in "
+                              "'object_graph' below"})
+        else:
+            d.update(describe_value(np.asarray(arr), dmap[key].name))
+        d.update(entry_info(index[key]))
+        tensors.append(d)
+    write_json(os.path.join(out, "tf2.json"), {
+        "prefix": os.path.basename(path),
+        "writer": "tf.train.Checkpoint.save (eager), TF " + tf.__version__,
+        "tensors": tensors,
+        "object_graph": graph_dict})
+
+
+# ----------------------------------------------------------------------------
+# Object Detection API in TF1 (graph) mode under TF 2.21
+# ----------------------------------------------------------------------------
+
+def install_contrib_shim():
+    """TF 2.x has no tf.contrib; the API's TF1 code path still imports two
+    things from it at module level:
+      * builders/optimizer_builder.py: tensorflow.contrib.opt.MovingAverageOptimizer
+        (used because use_moving_average defaults to true).  Provided by the real
+        TF 1.15 source file tensorflow_core/contrib/opt/python/training/
+        moving_average_optimizer.py, extracted by setup.sh from the PyPI wheel
+        tensorflow-cpu==1.15.0 and loaded here unmodified (its imports are
+        internal TF modules that TF 2.21 still has).
+      * matchers/bipartite_matcher.py: tensorflow.contrib.image.python.ops.image_ops
+        (the bipartite matcher, not used by this config): an empty stub module.
+    """
+    import importlib.util
+    import types
+    import tensorflow as tf
+    spec = importlib.util.spec_from_file_location("tf115_moving_average_optimizer", MAO)
+    mao = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mao)
+    names = ["tensorflow.contrib", "tensorflow.contrib.opt", "tensorflow.contrib.image",
+             "tensorflow.contrib.image.python", "tensorflow.contrib.image.python.ops",
+             "tensorflow.contrib.image.python.ops.image_ops"]
+    mods = {n: types.ModuleType(n) for n in names}
+    mods["tensorflow.contrib.opt"].MovingAverageOptimizer = mao.MovingAverageOptimizer
+    for n, m in mods.items():
+        parent, _, child = n.rpartition(".")
+        setattr(mods[parent] if parent in mods else tf, child, m)
+        sys.modules[n] = m
+    return mao
+
+
+def import_od():
+    import numpy as np
+    # slim/nets/mobilenet/mobilenet_v3.py (imported by model_builder, unused here)
+    # calls np.int at import time; numpy >= 1.24 removed that alias of int.
+    if not hasattr(np, "int"):
+        np.int = int
+    tf = import_tf_v1()
+    install_contrib_shim()
+    # tensorflow/python/layers/normalization.py (what tf_slim.batch_norm builds on)
+    # lazy-loads 'tf_keras.legacy_tf_layers.normalization', but the tf_keras 2.21
+    # wheel ships that module as tf_keras.src.legacy_tf_layers: alias the name.
+    import importlib
+    try:
+        importlib.import_module("tf_keras.legacy_tf_layers.normalization")
+    except ImportError:
+        for n in ["legacy_tf_layers", "legacy_tf_layers.normalization"]:
+            sys.modules["tf_keras." + n] = importlib.import_module("tf_keras.src." + n)
+    from object_detection.utils import tf_version
+    assert tf_version.is_tf1(), "API must see TF1 mode"
+    return tf
+
+
+class Filler:
+    """Deterministic random values for every variable, by name."""
+
+    def __init__(self, seed):
+        import numpy as np
+        self.np = np
+        self.rng = np.random.default_rng(seed)
+
+    def value(self, name, shape, dtype, base_values):
+        np = self.np
+        rng = self.rng
+        shape = tuple(shape)
+        leaf = name.split("/")[-1]
+        if name == "global_step":
+            return np.array(1234, dtype)
+        if leaf == "ExponentialMovingAverage":
+            base = base_values[name[:-len("/ExponentialMovingAverage")]]
+            return (base + rng.normal(0.0, 0.05, shape)).astype(dtype)
+        if leaf in ("RMSProp", "RMSProp_1"):
+            return rng.uniform(0.01, 0.5, shape).astype(dtype)
+        if leaf == "weights":  # conv kernel [kh, kw, in, out]
+            fan_in = shape[0] * shape[1] * shape[2]
+            return rng.normal(0.0, np.sqrt(2.0 / fan_in), shape).astype(dtype)
+        if leaf == "depthwise_weights":  # [kh, kw, in, multiplier]
+            fan_in = shape[0] * shape[1]
+            return rng.normal(0.0, np.sqrt(2.0 / fan_in), shape).astype(dtype)
+        if leaf == "gamma":
+            return rng.uniform(0.5, 1.5, shape).astype(dtype)
+        if leaf == "beta":
+            return rng.normal(0.0, 0.2, shape).astype(dtype)
+        if leaf == "moving_mean":
+            return rng.normal(0.0, 0.2, shape).astype(dtype)
+        if leaf == "moving_variance":
+            return rng.uniform(0.5, 2.0, shape).astype(dtype)
+        if leaf == "biases":
+            return rng.normal(0.0, 0.1, shape).astype(dtype)
+        raise ValueError("no fill rule for variable " + name)
+
+
+def assign_all(tf, sess, variables, seed):
+    """Assign Filler values to `variables` (EMA shadows after their bases)."""
+    import numpy as np
+    filler = Filler(seed)
+    order = sorted(variables, key=lambda v: (v.op.name.endswith("/ExponentialMovingAverage"),
+                                             v.op.name))
+    values = {}
+    for v in order:
+        name = v.op.name
+        values[name] = filler.value(name, v.shape.as_list(), v.dtype.base_dtype.as_numpy_dtype,
+                                    values)
+    phs, ops, feed = [], [], {}
+    for v in order:
+        ph = tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
+        ops.append(tf.compat.v1.assign(v, ph))
+        feed[ph] = values[v.op.name]
+    sess.run(ops, feed_dict=feed)
+    return values
+
+
+def make_images(tf, out_dir):
+    """Three RGB PNGs (w x h): 200x160, 97x131, 120x150."""
+    import numpy as np
+    rng = np.random.default_rng(2024)
+    sizes = [(200, 160), (97, 131), (120, 150)]
+    paths = []
+    for i, (w, h) in enumerate(sizes):
+        yy, xx = np.mgrid[0:h, 0:w].astype(np.float64)
+        img = np.zeros((h, w, 3))
+        img[..., 0] = 255.0 * xx / (w - 1)
+        img[..., 1] = 255.0 * yy / (h - 1)
+        img[..., 2] = 127.5 + 127.5 * np.sin(2 * np.pi * (xx + 2 * yy) / (37.0 + 11 * i))
+        for _ in range(4):  # rectangles
+            x0, y0 = rng.integers(0, w - 10), rng.integers(0, h - 10)
+            x1, y1 = x0 + rng.integers(5, w // 2), y0 + rng.integers(5, h // 2)
+            img[y0:y1, x0:x1] = rng.uniform(0, 255, 3)
+        for _ in range(3):  # discs
+            cx, cy, r = rng.uniform(0, w), rng.uniform(0, h), rng.uniform(5, min(w, h) / 4)
+            img[(xx - cx) ** 2 + (yy - cy) ** 2 < r * r] = rng.uniform(0, 255, 3)
+        img += rng.normal(0, 12.0, img.shape)
+        img = np.clip(np.round(img), 0, 255).astype(np.uint8)
+        g = tf.Graph()
+        with g.as_default():
+            png = tf.io.encode_png(tf.constant(img))
+            with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+                data = sess.run(png)
+        path = os.path.join(out_dir, "image_%d.png" % i)
+        with open(path, "wb") as fh:
+            fh.write(data)
+        paths.append(path)
+    return paths
+
+
+def load_configs():
+    from object_detection.utils import config_util
+    return config_util.get_configs_from_pipeline_file(PIPELINE)
+
+
+def build_training_graph(tf, configs):
+    """Like legacy/trainer.py train() with one clone: model_fn (_create_losses),
+    optimizer_builder.build, model_deploy.optimize_clones (compute_gradients on
+    the summed losses + regularization), apply_gradients(global_step), update_ops."""
+    import numpy as np
+    import tf_slim as slim
+    from object_detection.builders import model_builder
+    from object_detection.builders import optimizer_builder
+    from object_detection.core import standard_fields as fields  # noqa: F401
+
+    train_config = configs["train_config"]
+    global_step = slim.create_global_step()
+    model = model_builder.build(configs["model"], is_training=True)
+    rng = np.random.default_rng(7)
+    num_classes = configs["model"].ssd.num_classes
+    images, gt_boxes, gt_classes = [], [], []
+    for b in range(2):
+        images.append(tf.constant(rng.uniform(0, 255, (1, 150, 120, 3)).astype(np.float32)))
+        gt_boxes.append(tf.constant([[0.1, 0.2, 0.6, 0.7], [0.3, 0.1, 0.9, 0.5]], tf.float32))
+        gt_classes.append(tf.one_hot([3 + b, 10], num_classes, dtype=tf.float32))
+    preprocessed, shapes = [], []
+    for im in images:
+        p, s = model.preprocess(im)
+        preprocessed.append(p)
+        shapes.append(s)
+    model.provide_groundtruth(gt_boxes, gt_classes)
+    prediction_dict = model.predict(tf.concat(preprocessed, 0), tf.concat(shapes, 0))
+    losses_dict = model.loss(prediction_dict, tf.concat(shapes, 0))
+    for loss_tensor in losses_dict.values():
+        tf.compat.v1.losses.add_loss(loss_tensor)
+    update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+    training_optimizer, _ = optimizer_builder.build(train_config.optimizer)
+    total_loss = tf.compat.v1.losses.get_total_loss()  # losses + regularization
+    grads_and_vars = training_optimizer.compute_gradients(total_loss)
+    grad_updates = training_optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+    update_ops.append(grad_updates)
+    update_op = tf.group(*update_ops, name="update_barrier")
+    with tf.control_dependencies([update_op]):
+        train_tensor = tf.identity(total_loss, name="train_op")
+    return model, training_optimizer, train_tensor
+
+
+def var_list_json(tf, variables, values=None):
+    out = []
+    for v in sorted(variables, key=lambda v: v.op.name):
+        d = {"name": v.op.name, "shape": v.shape.as_list(),
+             "dtype": v.dtype.base_dtype.name, "trainable": v in set(
+                 tf.compat.v1.trainable_variables())}
+        if values is not None:
+            a = values[v.op.name]
+            d["min"] = float(a.min()) if a.size else None
+            d["max"] = float(a.max()) if a.size else None
+        out.append(d)
+    return out
+
+
+def part_ssd():
+    import numpy as np
+    from safetensors.numpy import save_file
+    tf = import_od()
+    from object_detection.builders import model_builder
+    out = os.path.join(OUT, "ssd")
+    os.makedirs(out, exist_ok=True)
+    configs = load_configs()
+    opt_cfg = configs["train_config"].optimizer
+    facts = {"optimizer": {
+        "type": opt_cfg.WhichOneof("optimizer"),
+        "use_moving_average": opt_cfg.use_moving_average,
+        "moving_average_decay": opt_cfg.moving_average_decay}}
+
+    # ---------------- training graph -> checkpoint
+    prefix = os.path.join(out, "model.ckpt")
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(1)
+        model, training_optimizer, _ = build_training_graph(tf, configs)
+        facts["optimizer"]["wrapper_class"] = type(training_optimizer).__module__ + "." + \
+            type(training_optimizer).__name__
+        ema = getattr(training_optimizer, "_ema", None)
+        if ema is not None:
+            facts["optimizer"]["ema"] = {
+                "decay": float(ema._decay) if not hasattr(ema._decay, "op") else str(ema._decay),
+                "num_updates": None if ema._num_updates is None else str(ema._num_updates),
+                "zero_debias": bool(ema._zero_debias)}
+            facts["optimizer"]["inner_class"] = type(training_optimizer._optimizer).__name__
+            facts["optimizer"]["swapped_variable_name_map_size"] = len(
+                training_optimizer._swapped_variable_name_map)
+        all_vars = tf.compat.v1.global_variables()
+        trainable = set(tf.compat.v1.trainable_variables())
+        mav = tf.compat.v1.moving_average_variables()
+        facts["ema_shadowed"] = sorted(
+            v.op.name for v in all_vars if v.op.name + "/ExponentialMovingAverage" in
+            {w.op.name for w in all_vars})
+        facts["ema_shadowed_are_exactly_trainable"] = (
+            set(facts["ema_shadowed"]) == {v.op.name for v in trainable})
+        facts["moving_average_variables_collection_size"] = len(mav)
+        # restore maps as the legacy trainer computes them (after the optimizer)
+        from object_detection.utils import variables_helper
+        restore = {}
+        avail = {}
+        for ftype, load_all in [("detection", False), ("detection", True),
+                                ("classification", False)]:
+            m = model.restore_map(fine_tune_checkpoint_type=ftype,
+                                  load_all_detection_checkpoint_vars=load_all)
+            key = ftype + ("_load_all" if load_all else "")
+            if all(k == v.op.name for k, v in m.items()):
+                restore[key] = {"identity": True, "names": sorted(m)}
+            else:
+                restore[key] = {"identity": False,
+                                "map": {k: v.op.name for k, v in sorted(m.items())}}
+            restore[key]["count"] = len(m)
+            avail[key] = m
+        saver = tf.compat.v1.train.Saver()  # as legacy trainer: all global variables
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            values = assign_all(tf, sess, all_vars, seed=3141)
+            saver.save(sess, prefix, write_meta_graph=False, write_state=False)
+        variables = var_list_json(tf, all_vars, values)
+        # which of those the API would actually load (legacy trainer: include_global_step=False)
+        slim_prefix = os.path.join(OUT, "slim", "mobilenet_v1.ckpt")
+        checks = [("detection", prefix, "ssd/model.ckpt"),
+                  ("detection_load_all", prefix, "ssd/model.ckpt")]
+        if os.path.exists(slim_prefix + ".index"):
+            checks.append(("classification", slim_prefix, "slim/mobilenet_v1.ckpt"))
+        for key, ck, label in checks:
+            got = variables_helper.get_variables_available_in_checkpoint(
+                avail[key], ck, include_global_step=False)
+            restore[key]["available_in"] = {
+                "checkpoint": label, "count": len(got),
+                "not_available": sorted(set(avail[key]) - set(got))}
+    write_json(os.path.join(out, "variables.json"), {
+        "checkpoint": "model.ckpt", "count": len(variables), "variables": variables})
+    write_json(os.path.join(out, "restore_map.json"), {
+        "note": "SSDMetaArch.restore_map(...) on the training graph after the optimizer "
+                "was built (legacy/trainer.py order): checkpoint name -> model variable",
+        "maps": restore})
+
+    # ---------------- images
+    image_paths = make_images(tf, out)
+
+    # ---------------- inference graph
+    tensors = {}
+    meta = {"images": []}
+    g = tf.Graph()
+    with g.as_default():
+        model = model_builder.build(configs["model"], is_training=False)
+        png = tf.compat.v1.placeholder(tf.string, [])
+        image = tf.io.decode_png(png, channels=3)
+        inputs = tf.expand_dims(tf.cast(image, tf.float32), 0)
+        preprocessed, true_shapes = model.preprocess(inputs)
+        pred = model.predict(preprocessed, true_shapes)
+        det = model.postprocess(pred, true_shapes)
+        resize_ops = [{"name": op.name, "type": op.type,
+                       "align_corners": op.get_attr("align_corners"),
+                       "half_pixel_centers": op.get_attr("half_pixel_centers")}
+                      for op in g.get_operations() if op.type.startswith("Resize")]
+        fetch = {"preprocessed": preprocessed, "true_image_shape": true_shapes,
+                 "box_encodings": pred["box_encodings"],
+                 "class_predictions_with_background": pred["class_predictions_with_background"],
+                 "anchors": pred["anchors"]}
+        for k, fm in enumerate(pred["feature_maps"]):
+            fetch["feature_map_%d" % k] = fm
+        for k, v in det.items():
+            fetch["det/" + k] = v
+        raw_saver = tf.compat.v1.train.Saver()
+        ema_map = tf.compat.v1.train.ExponentialMovingAverage(0.0).variables_to_restore()
+        ema_saver = tf.compat.v1.train.Saver(ema_map)
+        meta["ema_variables_to_restore"] = {
+            "count": len(ema_map),
+            "shadow_keys": sum(1 for k in ema_map if k.endswith("/ExponentialMovingAverage"))}
+        meta["inference_variable_count"] = len(tf.compat.v1.global_variables())
+        meta["resize_ops"] = resize_ops
+        results = {}
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            for w, sv in [("raw", raw_saver), ("ema", ema_saver)]:
+                sv.restore(sess, prefix)
+                for i, path in enumerate(image_paths):
+                    data = open(path, "rb").read()
+                    results[(w, i)] = sess.run(fetch, feed_dict={png: data})
+    A = int(results[("raw", 0)]["anchors"].shape[0])
+    anchors = results[("raw", 0)]["anchors"]
+    for (w, i), r in results.items():
+        assert np.array_equal(r["anchors"], anchors)
+        if w == "raw":
+            tensors["image_%d/preprocessed" % i] = r["preprocessed"].astype(np.float32)
+        else:
+            assert np.array_equal(r["preprocessed"], results[("raw", i)]["preprocessed"])
+        pre = "%s/image_%d/" % (w, i)
+        tensors[pre + "box_encodings"] = r["box_encodings"]
+        tensors[pre + "class_predictions_with_background"] = r["class_predictions_with_background"]
+        for k in sorted(r):
+            if k in ("det/raw_detection_scores", "det/detection_multiclass_scores"):
+                continue  # = sigmoid(class logits): derivable, left out for size
+            if k.startswith("det/"):
+                tensors[pre + k[4:]] = np.asarray(r[k]).astype(np.float32)
+            elif k.startswith("feature_map_"):
+                tensors[pre + k] = r[k]
+    tensors["anchors"] = anchors
+    tensors = {k: np.ascontiguousarray(v.astype(np.float32)) for k, v in tensors.items()}
+    save_file(tensors, os.path.join(out, "outputs.safetensors"))
+    for i, path in enumerate(image_paths):
+        r = results[("raw", i)]
+        meta["images"].append({
+            "file": os.path.basename(path),
+            "true_image_shape": [int(x) for x in r["true_image_shape"].reshape(-1)],
+            "num_detections": {ww: float(results[(ww, i)]["det/num_detections"][0])
+                               for ww in ("raw", "ema")},
+            "feature_map_ranges": {ww: [[float(results[(ww, i)]["feature_map_%d" % k].min()),
+                                         float(results[(ww, i)]["feature_map_%d" % k].max()),
+                                         float((results[(ww, i)]["feature_map_%d" % k] == 0).mean())]
+                                        for k in range(len(pred["feature_maps"]))]
+                                   for ww in ("raw", "ema")}})
+    meta["num_anchors"] = A
+    meta["feature_map_shapes"] = [list(results[("raw", 0)]["feature_map_%d" % k].shape)
+                                  for k in range(len(pred["feature_maps"]))]
+    meta["num_anchors_per_location"] = model._anchor_generator.num_anchors_per_location()
+    meta["tensors"] = {k: {"shape": list(v.shape), "dtype": "float32"}
+                       for k, v in sorted(tensors.items())}
+    meta["postprocess_keys"] = sorted(k[4:] for k in results[("raw", 0)] if k.startswith("det/"))
+    meta["facts"] = facts
+    write_json(os.path.join(out, "outputs.json"), meta)
+
+
+# ----------------------------------------------------------------------------
+# slim MobileNet-v1 classification checkpoint
+# ----------------------------------------------------------------------------
+
+def part_slim():
+    """Like slim/nets/mobilenet_v1_train.py build_model(): mobilenet_v1 under
+    mobilenet_v1_arg_scope(is_training=True), softmax loss, GradientDescent
+    create_train_op (no slot variables), global_step; Saver over all globals
+    (what slim.learning.train saves)."""
+    import numpy as np
+    import tf_slim as slim
+    tf = import_od()  # same shims (tf_keras alias) for slim.batch_norm
+    from nets import mobilenet_v1
+    out = os.path.join(OUT, "slim")
+    os.makedirs(out, exist_ok=True)
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(2)
+        rng = np.random.default_rng(11)
+        images = tf.constant(rng.uniform(-1, 1, (2, 224, 224, 3)).astype(np.float32))
+        labels = tf.one_hot([1, 5], 11)
+        with slim.arg_scope(mobilenet_v1.mobilenet_v1_arg_scope(is_training=True)):
+            logits, end_points = mobilenet_v1.mobilenet_v1(
+                images, num_classes=11, depth_multiplier=0.125, min_depth=16,
+                is_training=True)
+        tf.compat.v1.losses.softmax_cross_entropy(labels, logits)
+        total_loss = tf.compat.v1.losses.get_total_loss(name="total_loss")
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        lr = tf.compat.v1.train.exponential_decay(0.045, global_step, 1000, 0.94, staircase=True)
+        opt = tf.compat.v1.train.GradientDescentOptimizer(lr)
+        slim.learning.create_train_op(total_loss, optimizer=opt)
+        all_vars = tf.compat.v1.global_variables()
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            values = assign_all(tf, sess, all_vars, seed=2718)
+            saver.save(sess, os.path.join(out, "mobilenet_v1.ckpt"),
+                       write_meta_graph=False, write_state=False)
+        variables = var_list_json(tf, all_vars, values)
+        endpoints = {k: v.shape.as_list() for k, v in sorted(end_points.items())}
+    write_json(os.path.join(out, "variables.json"), {
+        "checkpoint": "mobilenet_v1.ckpt",
+        "built_with": "nets.mobilenet_v1.mobilenet_v1(images[2,224,224,3], num_classes=11, "
+                      "depth_multiplier=0.125, min_depth=16, is_training=True) under "
+                      "mobilenet_v1_arg_scope(is_training=True); GradientDescent train op",
+        "count": len(variables), "variables": variables,
+        "end_points_at_224": endpoints})
+
+
+# ----------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------
+
+def run_all():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [SRC, os.path.join(SRC, "slim")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONHASHSEED"] = "0"
+    for part in PARTS:
+        print("== part", part, flush=True)
+        subprocess.check_call([sys.executable, os.path.abspath(__file__), "--part", part],
+                              env=env)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=PARTS)
+    args = ap.parse_args()
+    if args.part is None:
+        run_all()
+        return
+    sys.path[:0] = [SRC, os.path.join(SRC, "slim")]
+    globals()["part_" + args.part]()
+
+
+if __name__ == "__main__":
+    main()
