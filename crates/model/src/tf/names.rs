@@ -122,10 +122,10 @@ pub(crate) fn update_tensors<B: Backend>(
         if let Some(v) = f(&format!("{name}/weights"), &dims) {
             head.weight = Param::from_tensor(to_tensor(v, dims, &device));
         }
-        if head.bias.is_some() {
-            if let Some(v) = f(&format!("{name}/biases"), &[dims[0]]) {
-                head.bias = Some(Param::from_tensor(to_tensor(v, [dims[0]], &device)));
-            }
+        if head.bias.is_some()
+            && let Some(v) = f(&format!("{name}/biases"), &[dims[0]])
+        {
+            head.bias = Some(Param::from_tensor(to_tensor(v, [dims[0]], &device)));
         }
     }
 }

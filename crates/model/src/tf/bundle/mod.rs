@@ -348,13 +348,13 @@ fn check_header(header: &BundleHeader) -> std::result::Result<usize, String> {
     if header.endianness != 0 {
         return Err("the bundle is big-endian, which is not read".into());
     }
-    if let Some(v) = &header.version {
-        if v.min_consumer > READER_VERSION || v.bad_consumers.contains(&READER_VERSION) {
-            return Err(format!(
-                "bundle format version {} needs a newer reader (min consumer {})",
-                v.producer, v.min_consumer
-            ));
-        }
+    if let Some(v) = &header.version
+        && (v.min_consumer > READER_VERSION || v.bad_consumers.contains(&READER_VERSION))
+    {
+        return Err(format!(
+            "bundle format version {} needs a newer reader (min consumer {})",
+            v.producer, v.min_consumer
+        ));
     }
     usize::try_from(header.num_shards)
         .ok()

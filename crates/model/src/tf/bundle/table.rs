@@ -77,8 +77,11 @@ fn block(file: &[u8], (offset, size): (usize, usize)) -> Result<&[u8], String> {
     }
 }
 
+/// A key and its value.
+type Entry<'a> = (Vec<u8>, &'a [u8]);
+
 /// Every `(key, value)` of one block, in order.
-fn entries(block: &[u8]) -> Result<Vec<(Vec<u8>, &[u8])>, String> {
+fn entries(block: &[u8]) -> Result<Vec<Entry<'_>>, String> {
     if block.len() < 4 {
         return Err("a block is shorter than its restart count".into());
     }
@@ -108,8 +111,11 @@ fn entries(block: &[u8]) -> Result<Vec<(Vec<u8>, &[u8])>, String> {
     Ok(out)
 }
 
+/// An owned key and value.
+pub type Row = (Vec<u8>, Vec<u8>);
+
 /// Every `(key, value)` of the table in `file`, in key order.
-pub fn read_table(file: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+pub fn read_table(file: &[u8]) -> Result<Vec<Row>, String> {
     if file.len() < FOOTER_LEN {
         return Err(format!(
             "{} bytes is too short for a checkpoint index (at least {FOOTER_LEN})",
