@@ -24,7 +24,7 @@ def check_events(run):
     wanted = {
         "loss/total", "loss/classification", "loss/localization", "loss/regularization",
         "learning_rate", "images_per_sec", "eval/AP", "eval/AP50", "eval/AP75", "eval/ARl",
-        "eval/voc_mAP",
+        "eval/voc_mAP", "targets/matched_per_image", "targets/mined_negatives_per_image",
     }
     assert wanted <= scalars, f"missing scalar tags: {sorted(wanted - scalars)}"
     records = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
@@ -33,6 +33,7 @@ def check_events(run):
         pairs = []
         if "loss" in rec:
             pairs += [(f"loss/{k}", v) for k, v in rec["loss"].items()]
+            pairs += [(f"targets/{k}", v) for k, v in rec["targets"].items()]
             pairs.append(("learning_rate", rec["learning_rate"]))
         if "eval" in rec:
             pairs += [("eval/AP", rec["eval"]["AP"]), ("eval/voc_mAP", rec["eval"]["voc_mAP"])]

@@ -7,7 +7,7 @@ outside this repo by setup.sh).  See PROVENANCE.md next to this file.
 
 usage:
   make_fixtures.py                 # every part, each in its own process
-  make_fixtures.py --part NAME     # one of: bundle_v1 bundle_tf2 ssd slim
+  make_fixtures.py --part NAME     # one of: bundle_v1 bundle_tf2 ssd slim step
 
 Each part runs in a fresh Python process because TF1 (graph) mode and TF2
 (eager) mode cannot be mixed in one process.
@@ -27,7 +27,7 @@ SRC = os.path.join(TF_REF, "src", "tf_models_research_object_detection-2.8.0.pos
 MAO = os.path.join(TF_REF, "tf115", "tensorflow_core", "contrib", "opt", "python",
                    "training", "moving_average_optimizer.py")
 PIPELINE = os.path.join(HERE, "pipeline.config")
-PARTS = ["bundle_v1", "bundle_tf2", "slim", "ssd"]
+PARTS = ["bundle_v1", "bundle_tf2", "slim", "ssd", "step"]
 
 
 # ----------------------------------------------------------------------------
@@ -737,6 +737,586 @@ def part_slim():
                       "mobilenet_v1_arg_scope(is_training=True); GradientDescent train op",
         "count": len(variables), "variables": variables,
         "end_points_at_224": endpoints})
+
+
+# ----------------------------------------------------------------------------
+# step: one training step of the API (model_lib.create_model_fn TRAIN path)
+# ----------------------------------------------------------------------------
+
+STEP_VARS = [
+    "FeatureExtractor/MobilenetV1/Conv2d_0/weights",
+    "FeatureExtractor/MobilenetV1/Conv2d_0/BatchNorm/gamma",
+    "FeatureExtractor/MobilenetV1/Conv2d_0/BatchNorm/beta",
+    "FeatureExtractor/MobilenetV1/Conv2d_1_depthwise/depthwise_weights",
+    "FeatureExtractor/MobilenetV1/Conv2d_13_pointwise/weights",
+    "FeatureExtractor/MobilenetV1/Conv2d_13_pointwise_2_Conv2d_2_3x3_s2_64/weights",
+    "BoxPredictor_0/ClassPredictor/weights",
+    "BoxPredictor_0/ClassPredictor/biases",
+    "BoxPredictor_0/BoxEncodingPredictor/weights",
+    "BoxPredictor_3/BoxEncodingPredictor/biases",
+    "BoxPredictor_5/ClassPredictor/weights",
+]
+
+# (w, h), boxes [ymin, xmin, ymax, xmax] normalised, 1-based labels, texts
+STEP_IMAGES = [
+    ((120, 150), [[0.0, 0.55, 0.4, 1.0],            # touches top and right border
+                  [0.6, 0.1, 0.6 + 8 / 150.0, 0.1 + 8 / 120.0],  # 8x8 px at 120x150
+                  [0.3, 0.05, 0.95, 0.8]],          # large
+     [3, 17, 37], [b"cls03", b"cls17", b"cls37"]),
+    ((180, 140), [[0.1, 0.2, 0.5, 0.6], [0.45, 0.5, 0.95, 0.9]],
+     [5, 17], [b"cls05", b"cls17"]),
+]
+
+
+def install_estimator_shim():
+    """TF 2.16+ has no tf.compat.v1.estimator; model_lib.py and inputs.py import it
+    at module level.  The TRAIN path of model_fn only uses ModeKeys and the
+    EstimatorSpec constructor: a stub module with those two (EstimatorSpec just
+    keeps its keyword arguments).  No Estimator is run; the session loop below
+    does what Estimator.train does for one step."""
+    import types
+    import tensorflow as tf
+
+    class ModeKeys:
+        TRAIN = "train"
+        EVAL = "eval"
+        PREDICT = "infer"
+
+    class EstimatorSpec:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    # eval_util (imported by model_lib) imports the LVIS metrics, which import
+    # the 'lvis' package (needs OpenCV) at module level; LVIS evaluation is never
+    # used in training: empty stub modules.
+    if "lvis" not in sys.modules:
+        lvis = types.ModuleType("lvis")
+        for sub in ("results", "eval", "lvis"):
+            m = types.ModuleType("lvis." + sub)
+            setattr(lvis, sub, m)
+            sys.modules["lvis." + sub] = m
+        lvis.lvis.LVIS = type("LVIS", (), {})  # lvis_tools subclasses it at import
+        lvis.eval.LVISEval = type("LVISEval", (), {})
+        sys.modules["lvis"] = lvis
+    mod = types.ModuleType("tensorflow.compat.v1.estimator")
+    mod.ModeKeys = ModeKeys
+    mod.EstimatorSpec = EstimatorSpec
+    mod.export = types.ModuleType("tensorflow.compat.v1.estimator.export")
+    sys.modules["tensorflow.compat.v1.estimator"] = mod
+    tf.compat.v1.estimator = mod
+    return mod
+
+
+def step_make_record(tf, path):
+    """train.record: 2 tf.train.Example in the API's format (PNG)."""
+    import numpy as np
+    rng = np.random.default_rng(4242)
+    pngs = []
+    with tf.io.TFRecordWriter(path) as w:
+        for i, ((wd, ht), boxes, labels, texts) in enumerate(STEP_IMAGES):
+            yy, xx = np.mgrid[0:ht, 0:wd].astype(np.float64)
+            img = np.zeros((ht, wd, 3))
+            img[..., 0] = 200.0 * xx / (wd - 1)
+            img[..., 1] = 200.0 * yy / (ht - 1)
+            img[..., 2] = 100 + 60 * np.sin(2 * np.pi * (xx - yy) / 23.0)
+            for (y0, x0, y1, x1), lab in zip(boxes, labels):
+                py0, py1 = int(round(y0 * ht)), int(round(y1 * ht))
+                px0, px1 = int(round(x0 * wd)), int(round(x1 * wd))
+                col = np.array([(37 * lab) % 256, (91 * lab + 40) % 256, (53 * lab + 120) % 256])
+                img[py0:py1, px0:px1] = col
+                cy, cx = (py0 + py1) / 2.0, (px0 + px1) / 2.0
+                r = max(1.0, min(py1 - py0, px1 - px0) / 4.0)
+                img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = 255 - col
+            img += rng.normal(0, 4.0, img.shape)
+            img = np.clip(np.round(img), 0, 255).astype(np.uint8)
+            g = tf.Graph()
+            with g.as_default():
+                enc = tf.io.encode_png(tf.constant(img))
+                with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+                    data = sess.run(enc)
+            pngs.append(data)
+            b = np.array(boxes, np.float64)
+            feat = {
+                "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[data])),
+                "image/format": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"png"])),
+                "image/height": tf.train.Feature(int64_list=tf.train.Int64List(value=[ht])),
+                "image/width": tf.train.Feature(int64_list=tf.train.Int64List(value=[wd])),
+                "image/filename": tf.train.Feature(bytes_list=tf.train.BytesList(
+                    value=[b"step_%d.png" % i])),
+                "image/source_id": tf.train.Feature(bytes_list=tf.train.BytesList(
+                    value=[b"%d" % (i + 1)])),
+                "image/object/bbox/ymin": tf.train.Feature(float_list=tf.train.FloatList(value=b[:, 0])),
+                "image/object/bbox/xmin": tf.train.Feature(float_list=tf.train.FloatList(value=b[:, 1])),
+                "image/object/bbox/ymax": tf.train.Feature(float_list=tf.train.FloatList(value=b[:, 2])),
+                "image/object/bbox/xmax": tf.train.Feature(float_list=tf.train.FloatList(value=b[:, 3])),
+                "image/object/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=labels)),
+                "image/object/class/text": tf.train.Feature(bytes_list=tf.train.BytesList(value=texts)),
+            }
+            ex = tf.train.Example(features=tf.train.Features(feature=feat))
+            w.write(ex.SerializeToString())
+    return pngs
+
+
+def step_pipeline_text(ckpt, record):
+    """The step config: pipeline.config + the train settings of this part."""
+    from google.protobuf import text_format
+    from object_detection.protos import pipeline_pb2
+    cfg = pipeline_pb2.TrainEvalPipelineConfig()
+    text_format.Merge(open(PIPELINE).read(), cfg)
+    tc = cfg.train_config
+    tc.batch_size = 2
+    tc.fine_tune_checkpoint = ckpt
+    tc.fine_tune_checkpoint_type = "detection"
+    tc.load_all_detection_checkpoint_vars = True
+    del tc.data_augmentation_options[:]
+    ti = cfg.train_input_reader
+    del ti.tf_record_input_reader.input_path[:]
+    ti.tf_record_input_reader.input_path.append(record)
+    ti.ClearField("label_map_path")  # labels come from image/object/class/label
+    ti.shuffle = False
+    ti.num_readers = 1
+    return text_format.MessageToString(cfg)
+
+
+def step_instrument(model, cap):
+    """Record (without changing anything) what the loss computes inside: the
+    target assignment and the hard example miner's selections."""
+    orig_assign = model._assign_targets
+
+    def assign(*a, **k):
+        out = orig_assign(*a, **k)
+        cap["targets"] = out  # cls_targets, cls_weights, reg_targets, reg_weights, match
+        return out
+    model._assign_targets = assign
+    miner = model._hard_example_miner
+    orig_sub = miner._subsample_selection_to_desired_neg_pos_ratio
+
+    def sub(indices, match, *a, **k):
+        out = orig_sub(indices, match, *a, **k)
+        cap.setdefault("mined", []).append({"nms_selected": indices, "selected": out[0],
+                                            "num_positives": out[1], "num_negatives": out[2]})
+        return out
+    miner._subsample_selection_to_desired_neg_pos_ratio = sub
+    orig_loss = model.loss
+
+    def loss(*a, **k):
+        out = orig_loss(*a, **k)
+        cap["loss_dict"] = dict(out)
+        return out
+    model.loss = loss
+    orig_predict = model.predict
+
+    def predict(*a, **k):
+        out = orig_predict(*a, **k)
+        cap["prediction_dict"] = out
+        return out
+    model.predict = predict
+    cap["model"] = model
+    return model
+
+
+def step_apply_ops(g):
+    """{variable name: ApplyRMSProp op} (inputs: var, ms, mom, lr, rho, momentum, epsilon, grad)."""
+    ops = {}
+    for op in g.get_operations():
+        if op.type in ("ApplyRMSProp", "ResourceApplyRMSProp"):
+            ops[op.inputs[0].op.name] = op
+    return ops
+
+
+def step_summaries(before, n_images):
+    """JSON summary of targets / miner results for n_images images."""
+    import numpy as np
+    out = []
+    for i in range(n_images):
+        match = before["match"][i]
+        pos = np.nonzero(match >= 0)[0]
+        mined = before["mined"][i]
+        sel = np.asarray(mined["selected"]).reshape(-1)
+        neg_kept = [int(a) for a in sel if match[a] < 0]
+        pos_kept = [int(a) for a in sel if match[a] >= 0]
+        out.append({
+            "num_matched": int(pos.size),
+            "matched_anchors": [int(a) for a in pos],
+            "matched_gt": [int(match[a]) for a in pos],
+            "num_ignored": int((match == -2).sum()),
+            "num_reg_weight_sum": float(before["reg_weights"][i].sum()),
+            "nms_selected_count": int(np.asarray(mined["nms_selected"]).size),
+            "miner_num_positives": int(mined["num_positives"]),
+            "miner_num_negatives": int(mined["num_negatives"]),
+            "miner_positive_indices": sorted(pos_kept),
+            "miner_negative_indices": neg_kept,  # in the miner's order (NMS order, by loss)
+            "miner_negative_indices_sorted": sorted(neg_kept),
+        })
+    return out
+
+
+def step_fetch_after(tf, sess, g, bn_names):
+    vals = {}
+    gv = {v.op.name: v for v in tf.compat.v1.global_variables()}
+    names = []
+    for v in STEP_VARS:
+        names += [v, v + "/RMSProp", v + "/RMSProp_1", v + "/ExponentialMovingAverage"]
+    names += bn_names + ["global_step"]
+    got = sess.run({n: gv[n] for n in names})
+    return got
+
+
+def step_check_restore(tf, sess, ckpt, trainable, bn_names):
+    """What the fine-tune restore left in the session before the step."""
+    import numpy as np
+    reader = tf.compat.v1.train.NewCheckpointReader(ckpt)
+    gv = {v.op.name: v for v in tf.compat.v1.global_variables()}
+    vals = sess.run(gv)
+    res = {"weights_equal_checkpoint": True, "bn_stats_equal_checkpoint": True,
+           "ema_equal_restored_weights": True, "ema_equal_checkpoint_ema": True,
+           "rms_all_ones": True, "momentum_all_zeros": True}
+    for n in trainable:
+        w = vals[n]
+        res["weights_equal_checkpoint"] &= bool(np.array_equal(w, reader.get_tensor(n)))
+        res["ema_equal_restored_weights"] &= bool(np.array_equal(vals[n + "/ExponentialMovingAverage"], w))
+        res["ema_equal_checkpoint_ema"] &= bool(np.array_equal(
+            vals[n + "/ExponentialMovingAverage"], reader.get_tensor(n + "/ExponentialMovingAverage")))
+        res["rms_all_ones"] &= bool(np.all(vals[n + "/RMSProp"] == 1.0))
+        res["momentum_all_zeros"] &= bool(np.all(vals[n + "/RMSProp_1"] == 0.0))
+    for n in bn_names:
+        res["bn_stats_equal_checkpoint"] &= bool(np.array_equal(vals[n], reader.get_tensor(n)))
+    res["global_step"] = int(vals["global_step"])
+    res["checkpoint_global_step"] = int(reader.get_tensor("global_step"))
+    return res
+
+
+
+def step_bn_check(before, before_vals, after, decay=0.9997):
+    """Which batch variance feeds moving_variance (checked on Conv2d_0)."""
+    import numpy as np
+    x = before["conv0_pre_bn"].astype(np.float64)
+    n = x.shape[0] * x.shape[1] * x.shape[2]
+    mean = x.mean(axis=(0, 1, 2))
+    var_b = x.var(axis=(0, 1, 2))
+    var_u = var_b * n / (n - 1.0)
+    pre = "FeatureExtractor/MobilenetV1/Conv2d_0/BatchNorm/"
+    mm0, mv0 = before_vals[pre + "moving_mean"].astype(np.float64), before_vals[pre + "moving_variance"].astype(np.float64)
+    mm1, mv1 = after[pre + "moving_mean"].astype(np.float64), after[pre + "moving_variance"].astype(np.float64)
+    d = 1.0 - decay
+    return {
+        "layer": "FeatureExtractor/MobilenetV1/Conv2d_0 (input of BatchNorm = Conv2D output)",
+        "elements_per_channel": int(n),
+        "moving_mean_max_abs_err_vs_mean": float(np.abs(mm1 - (mm0 - (mm0 - mean) * d)).max()),
+        "moving_variance_max_abs_err_vs_biased_var": float(np.abs(mv1 - (mv0 - (mv0 - var_b) * d)).max()),
+        "moving_variance_max_abs_err_vs_unbiased_var": float(np.abs(mv1 - (mv0 - (mv0 - var_u) * d)).max()),
+        "moving_stat_step_size_typical": float(np.abs(mv1 - mv0).mean()),
+    }
+
+
+def step_record(m, tensors, prefix, before, before_vals, after, bn_names, losses_key=None):
+    """Checks of the update formulas + JSON fields + safetensors entries."""
+    import numpy as np
+    grads = before["grads"]
+    lr_vals = sorted({float(v) for v in before["lr"].values()})
+    assert len(lr_vals) == 1
+    lr = lr_vals[0]
+    rho, mom_c, eps = 0.9, 0.9, 1.0
+    err_rms = err_mom = err_w = 0.0
+    ema_err = {"constant_0.9999": 0.0, "num_updates_min(0.9999,(1+0)/(10+0))=0.1": 0.0}
+    for n, gr in grads.items():
+        gr64 = gr.astype(np.float64)
+        w0 = before_vals[n].astype(np.float64)
+        ms = rho * before_vals[n + "/RMSProp"] + (1 - rho) * gr64 ** 2
+        mo = mom_c * before_vals[n + "/RMSProp_1"] + lr * gr64 / np.sqrt(ms + eps)
+        w1 = w0 - mo
+        if n in after:
+            err_rms = max(err_rms, float(np.abs(after[n + "/RMSProp"] - ms).max()))
+            err_mom = max(err_mom, float(np.abs(after[n + "/RMSProp_1"] - mo).max()))
+            err_w = max(err_w, float(np.abs(after[n] - w1).max()))
+            s0 = before_vals[n + "/ExponentialMovingAverage"].astype(np.float64)
+            wa = after[n].astype(np.float64)
+            for k, dcy in [("constant_0.9999", 0.9999),
+                           ("num_updates_min(0.9999,(1+0)/(10+0))=0.1", 0.1)]:
+                ema_err[k] = max(ema_err[k], float(np.abs(
+                    after[n + "/ExponentialMovingAverage"] - (s0 - (s0 - wa) * (1 - dcy))).max()))
+    gnorm_np = float(np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values())))
+    m["learning_rate"] = lr
+    m["global_norm_tf"] = float(before["global_norm"])
+    m["global_norm_numpy_f64"] = gnorm_np
+    m["global_step_after"] = int(after["global_step"])
+    m["update_checks_max_abs_err"] = {
+        "RMSProp(rms) = 0.9*1 + 0.1*g^2": err_rms,
+        "RMSProp_1(mom) = 0.9*0 + lr*g/sqrt(rms+1.0)": err_mom,
+        "var = var - mom": err_w,
+        "EMA shadow with decay": ema_err,
+        "note": "over the %d recorded variables, float64 recomputation from the fetched "
+                "gradients and pre-step values" % len(STEP_VARS)}
+    for n in STEP_VARS:
+        tensors["%s/grad/%s" % (prefix, n)] = grads[n]
+        tensors["%s/after/%s" % (prefix, n)] = after[n]
+        for suf in ("/RMSProp", "/RMSProp_1", "/ExponentialMovingAverage"):
+            tensors["%s/after/%s%s" % (prefix, n, suf)] = after[n + suf]
+    for n in bn_names:
+        tensors["%s/after/%s" % (prefix, n)] = after[n]
+
+
+def step_losses(fetched):
+    return {k: float(fetched[k]) for k in
+            ("localization_loss", "classification_loss", "regularization_loss", "total_loss")}
+
+
+def step_write(meta, tensors, out):
+    import numpy as np
+    from safetensors.numpy import save_file
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
+    save_file(tensors, os.path.join(out, "step.safetensors"))
+    meta["tensors"] = {k: list(v.shape) for k, v in sorted(tensors.items())}
+    write_json(os.path.join(out, "step.json"), meta)
+
+
+def step_tower_fetches(g, cap, fields):
+    model = cap["model"]
+    cls_t, cls_w, reg_t, reg_w, match = cap["targets"]
+    return {
+        "localization_loss": cap["loss_dict"]["Loss/localization_loss"],
+        "classification_loss": cap["loss_dict"]["Loss/classification_loss"],
+        "match": match, "reg_weights": reg_w, "mined": cap["mined"],
+        "gt_boxes": model.groundtruth_lists(fields.BoxListFields.boxes),
+        "gt_classes": model.groundtruth_lists(fields.BoxListFields.classes),
+    }
+
+
+def part_step():
+    # tf.keras must be Keras 2 (tf_keras): model_fn calls
+    # tf.keras.backend.set_learning_phase, which Keras 3 does not have.
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import shutil
+    import tempfile
+    import numpy as np
+    tf = import_od()
+    tf_estimator = install_estimator_shim()
+    from object_detection import model_lib
+    from object_detection import inputs
+    from object_detection.builders import model_builder
+    from object_detection.utils import config_util
+    from object_detection.core import standard_fields as fields
+
+    out = os.path.join(OUT, "step")
+    os.makedirs(out, exist_ok=True)
+    ckpt = os.path.join(OUT, "ssd", "model.ckpt")
+    record = os.path.join(out, "train.record")
+    step_make_record(tf, record)
+    with open(os.path.join(out, "pipeline.config"), "w") as fh:
+        fh.write("# Written by scripts/tf-fixtures/make_fixtures.py --part step.\n"
+                 "# Replace CHECKPOINT_PREFIX with the path prefix of "
+                 "crates/model/tests/fixtures/tf/ssd/model.ckpt\n"
+                 "# and TRAIN_RECORD with the path of "
+                 "crates/model/tests/fixtures/tf/step/train.record.\n")
+        fh.write(step_pipeline_text("CHECKPOINT_PREFIX", "TRAIN_RECORD"))
+    tmpdir = tempfile.mkdtemp(prefix="step_cfg_")
+    real_cfg = os.path.join(tmpdir, "pipeline.config")
+    with open(real_cfg, "w") as fh:
+        fh.write(step_pipeline_text(ckpt, record))
+    configs = config_util.get_configs_from_pipeline_file(real_cfg)
+    shutil.rmtree(tmpdir)
+    model_config = configs["model"]
+    train_config = configs["train_config"]
+    meta = {"note": "see scripts/tf-fixtures/PROVENANCE.md, section step/",
+            "variables": STEP_VARS, "facts": {}, "one": {}, "two": {}}
+    tensors = {}
+
+    # =============== one: the batch-of-2 step through model_lib's own model_fn
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(1)
+        # Estimator.train creates the global step before input_fn and model_fn.
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        # as create_estimator_and_inputs builds them
+        train_input_fn = inputs.create_train_input_fn(
+            train_config=train_config, train_input_config=configs["train_input_config"],
+            model_config=model_config)
+        dataset = train_input_fn(params={})  # Estimator passes params={} off-TPU
+        iterator = tf.compat.v1.data.make_initializable_iterator(dataset)
+        features, labels = iterator.get_next()
+        cap = {}
+
+        def detection_model_fn(**kw):  # functools.partial(model_builder.build, model_config=...)
+            return step_instrument(model_builder.build(model_config=model_config, **kw), cap)
+
+        class HParams:  # model_hparams.create_hparams() default
+            load_pretrained = True
+        model_fn = model_lib.create_model_fn(detection_model_fn, configs, HParams())
+        spec = model_fn(features, labels, tf_estimator.ModeKeys.TRAIN, params={})
+        train_op = spec.train_op
+        apply_ops = step_apply_ops(g)
+        trainable = sorted(v.op.name for v in tf.compat.v1.trainable_variables())
+        assert sorted(apply_ops) == trainable, "one ApplyRMSProp per trainable variable"
+        bn_names = sorted(v.op.name for v in tf.compat.v1.global_variables()
+                          if v.op.name.endswith(("moving_mean", "moving_variance")))
+        assert len(bn_names) == 70, len(bn_names)
+        gnorm_ops = [op for op in g.get_operations()
+                     if op.name.endswith("global_norm/global_norm")]
+        assert len(gnorm_ops) == 1, [o.name for o in gnorm_ops]
+        ema_ops = [op for op in g.get_operations()
+                   if op.inputs and op.inputs[0].op.name.endswith("/ExponentialMovingAverage")
+                   and op.type.startswith("Assign")]
+        bn_update_types = sorted({op.type for op in spec.train_op.graph.get_collection(
+            tf.compat.v1.GraphKeys.UPDATE_OPS)})
+        bn_op_types = sorted({op.type for op in g.get_operations() if "BatchNorm" in op.type})
+        fetch = step_tower_fetches(g, cap, fields)
+        fetch.update({
+            "regularization_loss": g.get_tensor_by_name("regularization_loss:0"),
+            "total_loss": g.get_tensor_by_name("total_loss:0"),
+            "grads": {n: op.inputs[7] for n, op in apply_ops.items()},
+            "lr": {n: op.inputs[3] for n, op in apply_ops.items()},
+            "rms_hparams": {k: apply_ops[trainable[0]].inputs[j] for k, j in
+                            [("rho", 4), ("momentum", 5), ("epsilon", 6)]},
+            "global_norm": gnorm_ops[0].outputs[0],
+            "preprocessed": features[fields.InputDataFields.image],
+            "true_image_shape": features[fields.InputDataFields.true_image_shape],
+            "conv0_pre_bn": g.get_tensor_by_name("FeatureExtractor/MobilenetV1/Conv2d_0/Conv2D:0"),
+        })
+        init = [tf.compat.v1.global_variables_initializer(),
+                tf.compat.v1.local_variables_initializer(),
+                tf.compat.v1.tables_initializer()]
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            sess.run(init)
+            sess.run(iterator.initializer)
+            batch = sess.run((features, labels))
+            # Feed that batch back for both runs below, so the fetched
+            # quantities and the step see the same inputs.
+            feed = {t: v for t, v in zip(tf.nest.flatten((features, labels)),
+                                         tf.nest.flatten(batch))}
+            restore_check = step_check_restore(tf, sess, ckpt, trainable, bn_names)
+            before_vals = sess.run({v.op.name: v for v in tf.compat.v1.global_variables()})
+            before = sess.run(fetch, feed_dict=feed)
+            loss_in_step = sess.run(train_op, feed_dict=feed)
+            after = step_fetch_after(tf, sess, g, bn_names)
+    one = meta["one"]
+    one["losses"] = step_losses(before)
+    one["train_op_value"] = float(loss_in_step)
+    one["images"] = step_summaries(before, 2)
+    one["restore_check"] = restore_check
+    one["ema_assign_op_types"] = sorted({op.type for op in ema_ops})
+    step_record(one, tensors, "one", before, before_vals, after, bn_names)
+    tensors["one/preprocessed"] = before["preprocessed"]
+    for i in range(2):
+        tensors["one/groundtruth/boxes_%d" % i] = before["gt_boxes"][i]
+        tensors["one/groundtruth/classes_%d" % i] = before["gt_classes"][i]
+    one["true_image_shape"] = before["true_image_shape"].tolist()
+    meta["facts"]["rmsprop_hparams_fed"] = {k: float(v) for k, v in before["rms_hparams"].items()}
+    meta["facts"]["bn_variance_check"] = step_bn_check(before, before_vals, after)
+    meta["facts"]["bn_update_op_types"] = bn_update_types
+    meta["facts"]["bn_op_types"] = bn_op_types
+    step_write(meta, tensors, out)
+    part_step_two(tf, configs, batch, meta, tensors, ckpt, bn_names, fields)
+    step_write(meta, tensors, out)
+
+
+def part_step_two(tf, configs, batch, meta, tensors, ckpt, bn_names, fields):
+    """The same step as two replicas of one image each, with shared variables:
+    per replica the model on its own image (own BN batch statistics) and its
+    own loss normalisation; gradients averaged over the replicas; one RMSProp +
+    EMA update; BN moving statistics moved by the mean of the replicas' updates
+    (what MirroredStrategy does: assign_moving_average reduces the value with
+    ReduceOp.MEAN across replicas; v1 optimizers scale each replica's loss by
+    1/num_replicas and sum the gradients)."""
+    import numpy as np
+    from object_detection import model_lib
+    from object_detection.builders import model_builder
+    from object_detection.builders import optimizer_builder
+    from object_detection.utils import variables_helper
+    model_config = configs["model"]
+    train_config = configs["train_config"]
+    features, labels = batch
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(1)
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        caps, totals, regs, tower_updates = [], [], [], []
+        for r in range(2):
+            cap = {}
+            n_vars = len(tf.compat.v1.global_variables())
+            n_upd = len(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+            with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
+                                             reuse=True if r else None):
+                with tf.name_scope("replica_%d" % r):
+                    model = step_instrument(model_builder.build(
+                        model_config=model_config, is_training=True, add_summaries=True), cap)
+                    feats = {k: tf.constant(v[r:r + 1]) for k, v in features.items()}
+                    labs = model_lib.unstack_batch(
+                        {k: tf.constant(v[r:r + 1]) for k, v in labels.items()},
+                        unpad_groundtruth_tensors=train_config.unpad_groundtruth_tensors)
+                    model_lib.provide_groundtruth(model, labs)
+                    pred = model.predict(feats[fields.InputDataFields.image],
+                                         feats[fields.InputDataFields.true_image_shape])
+                    if r == 0:
+                        # model_lib: fine-tune restore before the optimizer exists
+                        asg_map = model.restore_map(
+                            fine_tune_checkpoint_type=train_config.fine_tune_checkpoint_type,
+                            load_all_detection_checkpoint_vars=(
+                                train_config.load_all_detection_checkpoint_vars))
+                        available = variables_helper.get_variables_available_in_checkpoint(
+                            asg_map, train_config.fine_tune_checkpoint, include_global_step=False)
+                        tf.compat.v1.train.init_from_checkpoint(
+                            train_config.fine_tune_checkpoint, available)
+                    losses_dict = model.loss(pred, feats[fields.InputDataFields.true_image_shape])
+                    reg = tf.add_n(model.regularization_losses(), name="regularization_loss")
+                    total = tf.add_n(list(losses_dict.values()) + [reg], name="total_loss")
+            if r:
+                assert len(tf.compat.v1.global_variables()) == n_vars, "replica 1 must share variables"
+            tower_updates.append(tf.compat.v1.get_collection(
+                tf.compat.v1.GraphKeys.UPDATE_OPS)[n_upd:])
+            caps.append(cap)
+            totals.append(total)
+            regs.append(reg)
+        trainable = tf.compat.v1.trainable_variables()
+        training_optimizer, _ = optimizer_builder.build(train_config.optimizer)
+        tower_gv = [training_optimizer.compute_gradients(t, trainable) for t in totals]
+        avg_gv = []
+        for (g0, v0), (g1, v1) in zip(*tower_gv):
+            assert v0 is v1
+            avg_gv.append(((g0 + g1) * 0.5, v0))
+        # BN: the replicas' moving-average deltas, averaged, applied once
+        deltas = {}
+        for ups in tower_updates:
+            for op in ups:
+                assert op.type == "AssignSub", op.type
+                deltas.setdefault(op.inputs[0].op.name, []).append((op.inputs[0], op.inputs[1]))
+        assert sorted(deltas) == bn_names and all(len(d) == 2 for d in deltas.values())
+        bn_updates = []
+        for name, ((ref, d0), (_, d1)) in sorted(deltas.items()):
+            bn_updates.append(tf.compat.v1.assign_sub(ref, (d0 + d1) * 0.5))
+        apply_op = training_optimizer.apply_gradients(avg_gv, global_step=global_step)
+        train_op = tf.group(apply_op, *bn_updates)
+        apply_ops = step_apply_ops(g)
+        names = sorted(apply_ops)
+        fetch = {
+            "replicas": [dict(step_tower_fetches(g, c, fields), regularization_loss=rg,
+                              total_loss=t,
+                              grads_norm=tf.linalg.global_norm([x for x, _ in gv]))
+                         for c, rg, t, gv in zip(caps, regs, totals, tower_gv)],
+            "grads": {n: apply_ops[n].inputs[7] for n in names},
+            "lr": {n: apply_ops[n].inputs[3] for n in names},
+            "global_norm": tf.linalg.global_norm([x for x, _ in avg_gv]),
+        }
+        init = [tf.compat.v1.global_variables_initializer(),
+                tf.compat.v1.local_variables_initializer()]
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            sess.run(init)
+            before_vals = sess.run({v.op.name: v for v in tf.compat.v1.global_variables()})
+            before = sess.run(fetch)
+            sess.run(train_op)
+            after = step_fetch_after(tf, sess, g, bn_names)
+    two = meta["two"]
+    two["replicas"] = []
+    for r, rep in enumerate(before["replicas"]):
+        d = {"losses": step_losses(rep), "global_norm_of_replica_gradients": float(rep["grads_norm"])}
+        d.update(step_summaries(rep, 1)[0])
+        two["replicas"].append(d)
+    step_record(two, tensors, "two", before, before_vals, after, bn_names)
+    two["global_norm_note"] = ("global norm of the averaged gradients (what RMSProp gets); "
+                               "per replica: global_norm_of_replica_gradients")
+    # the inputs are one/preprocessed[r] and one/groundtruth/*_r: check
+    for r, rep in enumerate(before["replicas"]):
+        assert np.array_equal(rep["gt_boxes"][0], tensors["one/groundtruth/boxes_%d" % r])
+        assert np.array_equal(rep["gt_classes"][0], tensors["one/groundtruth/classes_%d" % r])
 
 
 # ----------------------------------------------------------------------------

@@ -79,6 +79,13 @@ pub struct LossValues {
     pub regularization: f32,
     /// Their sum.
     pub total: f32,
+    /// Anchors matched to a ground-truth box, per image (the API's
+    /// `AvgNumPositiveAnchorsPerImage`); logged under `targets`, not `loss`.
+    #[serde(skip)]
+    pub matched_per_image: f32,
+    /// Negative anchors kept by hard example mining, per image.
+    #[serde(skip)]
+    pub mined_negatives_per_image: f32,
 }
 
 /// What a run did.
@@ -186,14 +193,16 @@ impl<B: SsdBackend> Replica<B> {
                 localization: mean[1],
                 regularization: mean[2],
                 total: mean[3],
+                matched_per_image: mean[5],
+                mined_negatives_per_image: mean[6],
             },
             sync_seconds,
             stop: mean[4] > 0.0,
         })
     }
 
-    /// This replica's gradients and a tail of values to average with them: the loss parts and
-    /// the stop request.
+    /// This replica's gradients and a tail of values to average with them: the loss parts,
+    /// the stop request, and the matched and mined anchors per image.
     fn gradients(&self, batch: Batch, stop: bool) -> (GradientsParams, Tensor<B, 1>) {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
@@ -209,6 +218,17 @@ impl<B: SsdBackend> Replica<B> {
             TensorData::new(vec![if stop { 1.0f32 } else { 0.0 }], [1]),
             &self.device,
         );
+        let images = targets.len().max(1) as f32;
+        let counts = Tensor::<B, 1>::from_data(
+            TensorData::new(
+                vec![
+                    loss.num_matches as f32 / images,
+                    loss.num_mined_negatives as f32 / images,
+                ],
+                [2],
+            ),
+            &self.device,
+        );
         let tail = Tensor::cat(
             vec![
                 loss.classification.inner(),
@@ -216,6 +236,7 @@ impl<B: SsdBackend> Replica<B> {
                 loss.regularization.inner(),
                 loss.total.inner(),
                 stop,
+                counts,
             ],
             0,
         );
@@ -815,11 +836,17 @@ pub fn train<B: SsdBackend>(
             let ips = (window.1 as usize * batch_size) as f64 / secs.max(1e-9);
             let eta = (num_steps - step) as f64 * secs / window.1 as f64;
             log(format!(
-                "step {step}/{num_steps} | loss {:.4} (cls {:.4}, loc {:.4}, reg {:.4}) | lr {lr:.6} | {ips:.1} img/s | eta {:.0}s",
-                loss.total, loss.classification, loss.localization, loss.regularization, eta
+                "step {step}/{num_steps} | loss {:.4} (cls {:.4}, loc {:.4}, reg {:.4}) | {:.1} matched, {:.1} mined negatives per image | lr {lr:.6} | {ips:.1} img/s | eta {:.0}s",
+                loss.total,
+                loss.classification,
+                loss.localization,
+                loss.regularization,
+                loss.matched_per_image,
+                loss.mined_negatives_per_image,
+                eta
             ));
             write_metrics(
-                json!({"step": step, "loss": loss, "learning_rate": lr, "images_per_sec": ips, "seconds": run_start.elapsed().as_secs_f64()}),
+                json!({"step": step, "loss": loss, "targets": {"matched_per_image": loss.matched_per_image, "mined_negatives_per_image": loss.mined_negatives_per_image}, "learning_rate": lr, "images_per_sec": ips, "seconds": run_start.elapsed().as_secs_f64()}),
             )?;
             write_events(
                 step,
@@ -828,6 +855,11 @@ pub fn train<B: SsdBackend>(
                     ("loss/classification", loss.classification as f64),
                     ("loss/localization", loss.localization as f64),
                     ("loss/regularization", loss.regularization as f64),
+                    ("targets/matched_per_image", loss.matched_per_image as f64),
+                    (
+                        "targets/mined_negatives_per_image",
+                        loss.mined_negatives_per_image as f64,
+                    ),
                     ("learning_rate", lr),
                     ("images_per_sec", ips),
                 ],

@@ -144,6 +144,17 @@ fn three_replicas_stay_identical_and_evaluate() {
     assert!(m.AP >= 0.0 && m.voc_mAP >= 0.0);
     let lines = std::fs::read_to_string(runs.path().join("metrics.jsonl")).unwrap();
     assert!(lines.lines().count() >= 4, "{lines}");
+    // each logged step reports the anchors matched and the negatives mined per image (at
+    // most 3 per positive with the default miner)
+    for line in lines.lines().filter(|l| l.contains("\"loss\"")) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let matched = v["targets"]["matched_per_image"].as_f64().unwrap();
+        let mined = v["targets"]["mined_negatives_per_image"].as_f64().unwrap();
+        assert!(
+            matched > 0.0 && mined > 0.0 && mined <= 3.0 * matched + 1e-6,
+            "{line}"
+        );
+    }
     assert!(runs.path().join("ckpt-00000003/ema.mpk").is_file());
     // the TensorBoard events: the losses of every logged step and the final evaluation
     let events_file = std::fs::read_dir(runs.path())
@@ -177,6 +188,11 @@ fn three_replicas_stay_identical_and_evaluate() {
         .map(|s| s.0)
         .collect();
     assert_eq!(total, vec![1, 2, 3], "log_every 1");
+    assert!(
+        scalars
+            .iter()
+            .any(|s| s.1 == "targets/mined_negatives_per_image" && s.0 == 3)
+    );
     let map = scalars
         .iter()
         .find(|s| s.1 == "eval/voc_mAP")
