@@ -85,8 +85,11 @@ pub(crate) fn apply_conv<B: SsdBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Te
     )
 }
 
-/// BatchNorm as slim's (non-fused) `batch_norm` computes it: batch statistics with the biased
-/// variance in training, moving averages `m <- decay m + (1 - decay) v` of them for inference.
+/// BatchNorm as slim's `batch_norm` computes it with TF's fused kernel (`FusedBatchNormV3`,
+/// what the API's graphs run): batch statistics with the biased variance in training, and
+/// moving averages `m <- decay m + (1 - decay) v` for inference, where `v` is the batch mean
+/// and the unbiased batch variance (`n / (n - 1)` times the biased one over the `n` values
+/// of a channel; checked against TF's training step, `crates/train/tests/tf_step.rs`).
 ///
 /// Always followed by ReLU6 in this network, so the two run as one operation
 /// ([`SsdBackend::batch_norm_relu6`] in training, [`SsdBackend::affine_relu6`] with the moving
@@ -139,9 +142,10 @@ impl<B: SsdBackend> BatchNorm<B> {
     /// moving-average update) when the backend records gradients, moving averages otherwise.
     pub fn forward_relu6(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         if B::ad_enabled(&x.device()) {
+            let count = values_per_channel(&x);
             let (y, mean, variance) =
                 batch_norm_relu6(x, self.gamma.val(), self.beta.val(), self.epsilon);
-            self.update_moving_stats(mean, variance);
+            self.update_moving_stats(mean, variance, count);
             y
         } else {
             let [scale, shift] = self.folded(&x.device());
@@ -160,9 +164,11 @@ impl<B: SsdBackend> BatchNorm<B> {
         [scale, shift]
     }
 
-    /// Moves the moving averages towards a training batch's statistics:
-    /// `m <- decay m + (1 - decay) batch`.
-    fn update_moving_stats(&self, mean: Tensor<B, 1>, variance: Tensor<B, 1>) {
+    /// Moves the moving averages towards a training batch's statistics over `count` values
+    /// per channel: `m <- decay m + (1 - decay) batch`, the biased batch `variance` made
+    /// unbiased first (TF's fused kernel: `n / max(n - 1, 1)`).
+    fn update_moving_stats(&self, mean: Tensor<B, 1>, variance: Tensor<B, 1>, count: usize) {
+        let variance = variance.mul_scalar(count as f64 / count.saturating_sub(1).max(1) as f64);
         let keep = self.decay;
         let update = |state: &RunningState<Tensor<B, 1>>, batch_value: Tensor<B, 1>| {
             let moving = state.value_sync().to_device(&batch_value.device());
@@ -173,6 +179,12 @@ impl<B: SsdBackend> BatchNorm<B> {
         update(&self.moving_mean, mean);
         update(&self.moving_variance, variance);
     }
+}
+
+/// The values a BatchNorm averages per channel of `[batch, channels, h, w]`: `batch * h * w`.
+fn values_per_channel<B: Backend>(x: &Tensor<B, 4>) -> usize {
+    let [batch, _, h, w] = x.dims();
+    batch * h * w
 }
 
 /// Convolution (no bias) followed by BatchNorm and ReLU6.
@@ -224,6 +236,10 @@ impl<B: SsdBackend> ConvBnRelu6<B> {
         if !B::ad_enabled(&x.device()) {
             return self.forward(before.forward_relu6(x));
         }
+        let before_count = values_per_channel(&x);
+        let [batch, _, h, w] = x.dims();
+        let stride = self.conv.stride[0];
+        let after_count = batch * h.div_ceil(stride) * w.div_ceil(stride);
         let (y, [mean, variance, mean_after, variance_after]) = depthwise_between_batch_norms(
             x,
             [before.gamma.val(), before.beta.val()],
@@ -231,8 +247,9 @@ impl<B: SsdBackend> ConvBnRelu6<B> {
             [self.bn.gamma.val(), self.bn.beta.val()],
             [before.epsilon, self.bn.epsilon],
         );
-        before.update_moving_stats(mean, variance);
-        self.bn.update_moving_stats(mean_after, variance_after);
+        before.update_moving_stats(mean, variance, before_count);
+        self.bn
+            .update_moving_stats(mean_after, variance_after, after_count);
         y
     }
 }
@@ -267,11 +284,12 @@ mod tests {
                 "{y:?}"
             );
         }
-        // moving averages: 0.9 * 0 + 0.1 * 3 and 0.9 * 1 + 0.1 * 3.5
+        // moving averages: 0.9 * 0 + 0.1 * 3, and 0.9 * 1 + 0.1 * 14 / 3 (the unbiased
+        // variance: 3.5 * 4 / 3)
         let mean = bn.moving_mean.value_sync().into_scalar();
         let var = bn.moving_variance.value_sync().into_scalar();
         assert!(
-            (mean - 0.3).abs() < 1e-6 && (var - 1.25).abs() < 1e-6,
+            (mean - 0.3).abs() < 1e-6 && (var - (0.9 + 0.1 * 14.0 / 3.0)).abs() < 1e-6,
             "{mean} {var}"
         );
         // inference (no autodiff) uses the moving averages

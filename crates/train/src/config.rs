@@ -38,6 +38,10 @@ pub struct TrainSettings {
     /// Weight exponential moving average decay (`moving_average_decay`); `null` disables it.
     #[serde(default)]
     pub moving_average_decay: Option<f64>,
+    /// Ramp the EMA decay up as `min(decay, (1 + n) / (10 + n))` after `n` updates (TF's
+    /// `num_updates`); `false` (default) keeps it constant, as the API's optimizer builder does.
+    #[serde(default)]
+    pub moving_average_warmup: bool,
     /// Clip the gradients to this global norm (`gradient_clipping_by_norm`); `null` disables.
     #[serde(default)]
     pub gradient_clipping_by_norm: Option<f32>,

@@ -1,7 +1,9 @@
-//! Weight exponential moving average as `tf.train.ExponentialMovingAverage(decay, num_updates)`:
-//! `shadow <- shadow - (1 - d) (shadow - w)` with `d = min(decay, (1 + n) / (10 + n))`, over the
-//! trainable weights; BatchNorm moving statistics are taken as they are (TF does not average
-//! non-trainable variables).
+//! Weight exponential moving average as `tf.train.ExponentialMovingAverage`:
+//! `shadow <- shadow - (1 - d) (shadow - w)` over the trainable weights, with the constant
+//! `d = decay`, as the API's optimizer builder sets it up (it passes no `num_updates`), or with
+//! `warmup`, `d = min(decay, (1 + n) / (10 + n))` after `n` updates (`num_updates` given).
+//! BatchNorm moving statistics are taken as they are (TF does not average non-trainable
+//! variables).
 
 use std::collections::{HashMap, HashSet};
 
@@ -11,15 +13,20 @@ use burn::tensor::backend::Backend;
 use model::Ssd;
 use model::ops::{SsdBackend, moving_average};
 
-/// The decay used after `num_updates` updates.
-pub fn ema_decay(decay: f64, num_updates: u64) -> f64 {
-    decay.min((1.0 + num_updates as f64) / (10.0 + num_updates as f64))
+/// The decay of an update after `num_updates` updates.
+pub fn ema_decay(decay: f64, warmup: bool, num_updates: u64) -> f64 {
+    if warmup {
+        decay.min((1.0 + num_updates as f64) / (10.0 + num_updates as f64))
+    } else {
+        decay
+    }
 }
 
 /// Shadow weights.
 #[derive(Debug, Clone)]
 pub struct Ema<B: Backend> {
     decay: f64,
+    warmup: bool,
     shadow: Ssd<B>,
     /// The parameters averaged; the others are copied.
     trainable: HashSet<ParamId>,
@@ -64,10 +71,11 @@ impl<B: SsdBackend> ModuleMapper<B> for Blend<'_, B> {
 impl<B: SsdBackend> Ema<B> {
     /// Starts the average at `shadow` (the network's weights, or an average restored from a
     /// checkpoint), averaging the parameters in `trainable` ([`trainable_ids`]) and copying
-    /// the others.
-    pub fn new(shadow: Ssd<B>, decay: f64, trainable: HashSet<ParamId>) -> Self {
+    /// the others; `warmup` as in the module docs.
+    pub fn new(shadow: Ssd<B>, decay: f64, warmup: bool, trainable: HashSet<ParamId>) -> Self {
         Self {
             decay,
+            warmup,
             shadow,
             trainable,
         }
@@ -83,7 +91,7 @@ impl<B: SsdBackend> Ema<B> {
         let mut blend = Blend {
             current: collect.values,
             trainable: &self.trainable,
-            keep: ema_decay(self.decay, num_updates),
+            keep: ema_decay(self.decay, self.warmup, num_updates),
         };
         self.shadow = self.shadow.map(&mut blend);
         self
@@ -118,10 +126,11 @@ mod tests {
     use model::SsdConfig;
 
     #[test]
-    fn decay_follows_num_updates() {
-        assert!((ema_decay(0.9999, 0) - 0.1).abs() < 1e-12);
-        assert!((ema_decay(0.9999, 10) - 11.0 / 20.0).abs() < 1e-12);
-        assert_eq!(ema_decay(0.9999, 1_000_000), 0.9999);
+    fn decay_is_constant_or_follows_num_updates() {
+        assert_eq!(ema_decay(0.9999, false, 0), 0.9999);
+        assert!((ema_decay(0.9999, true, 0) - 0.1).abs() < 1e-12);
+        assert!((ema_decay(0.9999, true, 10) - 11.0 / 20.0).abs() < 1e-12);
+        assert_eq!(ema_decay(0.9999, true, 1_000_000), 0.9999);
     }
 
     #[test]
@@ -165,7 +174,7 @@ mod tests {
             .unwrap();
         let gamma_id = a.backbone.conv0.bn.gamma.id;
         let trainable: HashSet<ParamId> = [a.backbone.conv0.conv.weight.id].into();
-        let ema = Ema::new(a, 0.9999, trainable).update(&b, 10);
+        let ema = Ema::new(a, 0.9999, true, trainable).update(&b, 10);
         // d = 11 / 20: shadow = w0 - 0.45 (w0 - w1)
         let s = ema
             .shadow()

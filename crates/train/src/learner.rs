@@ -551,6 +551,7 @@ pub fn train<B: SsdBackend>(
             (0, Some(decay)) => Some(Ema::new(
                 start.ema.clone().unwrap_or_else(|| model.valid()),
                 decay,
+                config.train.moving_average_warmup,
                 trainable_ids(&model),
             )),
             _ => None,

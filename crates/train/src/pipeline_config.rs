@@ -929,6 +929,7 @@ fn read_train(
         num_steps,
         optimizer: optimizer?,
         moving_average_decay,
+        moving_average_warmup: false,
         gradient_clipping_by_norm: (clip > 0.0).then_some(clip),
         fine_tune_checkpoint,
         fine_tune_restore,

@@ -54,6 +54,7 @@ fn config(dir: &Path, steps: u64) -> TrainConfig {
                 epsilon: 1.0,
             },
             moving_average_decay: None,
+            moving_average_warmup: true,
             gradient_clipping_by_norm: None,
             fine_tune_checkpoint: None,
             fine_tune_restore: model::restore::RestoreScope::All,
