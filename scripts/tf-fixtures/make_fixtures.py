@@ -798,6 +798,21 @@ def install_estimator_shim():
         lvis.lvis.LVIS = type("LVIS", (), {})  # lvis_tools subclasses it at import
         lvis.eval.LVISEval = type("LVISEval", (), {})
         sys.modules["lvis"] = lvis
+    # tf_slim 1.1.0 tfexample_decoder (the API's TfExampleDecoder image handler)
+    # calls control_flow_ops.case and control_flow_ops.cond; TF 2.21 moved those
+    # same functions to tensorflow/python/ops/control_flow_case.py and cond.py:
+    # alias them back.
+    from tensorflow.python.ops import cond, control_flow_case, control_flow_ops
+    if not hasattr(control_flow_ops, "case"):
+        control_flow_ops.case = control_flow_case.case
+    if not hasattr(control_flow_ops, "cond"):
+        control_flow_ops.cond = cond.cond
+    # tf_slim 1.1.0 optimize_loss (model_lib's train op) tests
+    # isinstance(g, ops.IndexedSlices); TF 2.21 keeps that class in
+    # tensorflow/python/framework/indexed_slices.py only: alias it back.
+    from tensorflow.python.framework import indexed_slices, ops as tf_ops
+    if not hasattr(tf_ops, "IndexedSlices"):
+        tf_ops.IndexedSlices = indexed_slices.IndexedSlices
     mod = types.ModuleType("tensorflow.compat.v1.estimator")
     mod.ModeKeys = ModeKeys
     mod.EstimatorSpec = EstimatorSpec
@@ -853,7 +868,7 @@ def step_make_record(tf, path):
                 "image/object/class/text": tf.train.Feature(bytes_list=tf.train.BytesList(value=texts)),
             }
             ex = tf.train.Example(features=tf.train.Features(feature=feat))
-            w.write(ex.SerializeToString())
+            w.write(ex.SerializeToString(deterministic=True))  # sorted map keys
     return pngs
 
 
@@ -897,6 +912,13 @@ def step_instrument(model, cap):
                                             "num_positives": out[1], "num_negatives": out[2]})
         return out
     miner._subsample_selection_to_desired_neg_pos_ratio = sub
+    miner_cls = type(miner)
+
+    class RecordingMiner(miner_cls):  # keeps the per-anchor losses the miner ranks by
+        def __call__(self, location_losses, cls_losses, *a, **k):
+            cap["miner_cls_losses"] = cls_losses
+            return miner_cls.__call__(self, location_losses, cls_losses, *a, **k)
+    miner.__class__ = RecordingMiner
     orig_loss = model.loss
 
     def loss(*a, **k):
@@ -934,6 +956,14 @@ def step_summaries(before, n_images):
         mined = before["mined"][i]
         sel = np.asarray(mined["selected"]).reshape(-1)
         neg_kept = [int(a) for a in sel if match[a] < 0]
+        # the negatives in the miner's order (NMS order) and the loss it ranks by
+        nms = np.asarray(mined["nms_selected"]).reshape(-1)
+        neg_all = [int(a) for a in nms if match[a] < 0]
+        losses = before["miner_cls_losses"][i]
+        assert neg_all[:len(neg_kept)] == neg_kept
+        dropped = neg_all[len(neg_kept):]
+        last_kept = float(losses[neg_kept[-1]]) if neg_kept else None
+        first_dropped = float(losses[dropped[0]]) if dropped else None
         pos_kept = [int(a) for a in sel if match[a] >= 0]
         out.append({
             "num_matched": int(pos.size),
@@ -947,6 +977,12 @@ def step_summaries(before, n_images):
             "miner_positive_indices": sorted(pos_kept),
             "miner_negative_indices": neg_kept,  # in the miner's order (NMS order, by loss)
             "miner_negative_indices_sorted": sorted(neg_kept),
+            "miner_last_kept_negative_loss": last_kept,
+            "miner_first_dropped_negative_loss": first_dropped,
+            "miner_kept_dropped_gap": (None if last_kept is None or first_dropped is None
+                                       else last_kept - first_dropped),
+            "miner_kept_negative_min_consecutive_gap": (float(np.min(-np.diff(
+                losses[neg_kept]))) if len(neg_kept) > 1 else None),
         })
     return out
 
@@ -968,15 +1004,17 @@ def step_check_restore(tf, sess, ckpt, trainable, bn_names):
     reader = tf.compat.v1.train.NewCheckpointReader(ckpt)
     gv = {v.op.name: v for v in tf.compat.v1.global_variables()}
     vals = sess.run(gv)
+    keys = set(reader.get_variable_to_shape_map())
     res = {"weights_equal_checkpoint": True, "bn_stats_equal_checkpoint": True,
-           "ema_equal_restored_weights": True, "ema_equal_checkpoint_ema": True,
-           "rms_all_ones": True, "momentum_all_zeros": True}
+           "ema_equal_restored_weights": True,
+           "rms_all_ones": True, "momentum_all_zeros": True,
+           "checkpoint_has_ema_shadows": any(k.endswith("/ExponentialMovingAverage") for k in keys),
+           "checkpoint_has_rmsprop_slots": any(k.endswith(("/RMSProp", "/RMSProp_1")) for k in keys),
+           "checkpoint_tensor_count": len(keys)}
     for n in trainable:
         w = vals[n]
         res["weights_equal_checkpoint"] &= bool(np.array_equal(w, reader.get_tensor(n)))
         res["ema_equal_restored_weights"] &= bool(np.array_equal(vals[n + "/ExponentialMovingAverage"], w))
-        res["ema_equal_checkpoint_ema"] &= bool(np.array_equal(
-            vals[n + "/ExponentialMovingAverage"], reader.get_tensor(n + "/ExponentialMovingAverage")))
         res["rms_all_ones"] &= bool(np.all(vals[n + "/RMSProp"] == 1.0))
         res["momentum_all_zeros"] &= bool(np.all(vals[n + "/RMSProp_1"] == 0.0))
     for n in bn_names:
@@ -999,7 +1037,16 @@ def step_bn_check(before, before_vals, after, decay=0.9997):
     mm0, mv0 = before_vals[pre + "moving_mean"].astype(np.float64), before_vals[pre + "moving_variance"].astype(np.float64)
     mm1, mv1 = after[pre + "moving_mean"].astype(np.float64), after[pre + "moving_variance"].astype(np.float64)
     d = 1.0 - decay
+    fed = before["conv0_bn_update_values"]
+    fed_mean = fed["moving_mean"].astype(np.float64)
+    fed_var = fed["moving_variance"].astype(np.float64)
     return {
+        "value_fed_to_moving_variance_update_rel_err_vs_biased_var":
+            float((np.abs(fed_var - var_b) / var_b).max()),
+        "value_fed_to_moving_variance_update_rel_err_vs_unbiased_var_n_over_n_minus_1":
+            float((np.abs(fed_var - var_u) / var_u).max()),
+        "value_fed_to_moving_mean_update_max_abs_err_vs_batch_mean":
+            float(np.abs(fed_mean - mean).max()),
         "layer": "FeatureExtractor/MobilenetV1/Conv2d_0 (input of BatchNorm = Conv2D output)",
         "elements_per_channel": int(n),
         "moving_mean_max_abs_err_vs_mean": float(np.abs(mm1 - (mm0 - (mm0 - mean) * d)).max()),
@@ -1026,8 +1073,10 @@ def step_record(m, tensors, prefix, before, before_vals, after, bn_names, losses
         mo = mom_c * before_vals[n + "/RMSProp_1"] + lr * gr64 / np.sqrt(ms + eps)
         w1 = w0 - mo
         if n in after:
-            err_rms = max(err_rms, float(np.abs(after[n + "/RMSProp"] - ms).max()))
-            err_mom = max(err_mom, float(np.abs(after[n + "/RMSProp_1"] - mo).max()))
+            def rel(a, b):
+                return float((np.abs(a - b) / np.maximum(np.abs(b), 1e-3)).max())
+            err_rms = max(err_rms, rel(after[n + "/RMSProp"], ms))
+            err_mom = max(err_mom, rel(after[n + "/RMSProp_1"], mo))
             err_w = max(err_w, float(np.abs(after[n] - w1).max()))
             s0 = before_vals[n + "/ExponentialMovingAverage"].astype(np.float64)
             wa = after[n].astype(np.float64)
@@ -1040,13 +1089,14 @@ def step_record(m, tensors, prefix, before, before_vals, after, bn_names, losses
     m["global_norm_tf"] = float(before["global_norm"])
     m["global_norm_numpy_f64"] = gnorm_np
     m["global_step_after"] = int(after["global_step"])
-    m["update_checks_max_abs_err"] = {
+    m["update_checks_max_err"] = {
         "RMSProp(rms) = 0.9*1 + 0.1*g^2": err_rms,
         "RMSProp_1(mom) = 0.9*0 + lr*g/sqrt(rms+1.0)": err_mom,
         "var = var - mom": err_w,
         "EMA shadow with decay": ema_err,
         "note": "over the %d recorded variables, float64 recomputation from the fetched "
-                "gradients and pre-step values" % len(STEP_VARS)}
+                "gradients and pre-step values; RMSProp and RMSProp_1: max relative error "
+                "(|a-b|/max(|b|,1e-3)); var and EMA: max absolute error" % len(STEP_VARS)}
     for n in STEP_VARS:
         tensors["%s/grad/%s" % (prefix, n)] = grads[n]
         tensors["%s/after/%s" % (prefix, n)] = after[n]
@@ -1054,6 +1104,36 @@ def step_record(m, tensors, prefix, before, before_vals, after, bn_names, losses
             tensors["%s/after/%s%s" % (prefix, n, suf)] = after[n + suf]
     for n in bn_names:
         tensors["%s/after/%s" % (prefix, n)] = after[n]
+
+
+def step_bn_update_values(g, prefix):
+    """The batch statistic each BN moving-average update moves towards:
+    update op AssignSub(v, (v - value) * decay) -> value."""
+    import tensorflow as tf
+    out = {}
+    for op in g.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS):
+        name = op.inputs[0].op.name
+        if not name.startswith(prefix):
+            continue
+        todo, seen, value = [op.inputs[1].op], 0, None
+        while todo and value is None and seen < 20:
+            o = todo.pop(0)
+            seen += 1
+            if o.type == "Sub":
+                value = o.inputs[1]
+            todo += [t.op for t in o.inputs]
+        assert value is not None, name
+        out[name.split("/")[-1]] = value
+    return out
+
+
+def step_conv0(g):
+    """The forward Conv2D output of FeatureExtractor/MobilenetV1/Conv2d_0."""
+    ops = [op for op in g.get_operations() if op.type == "Conv2D" and
+           op.inputs[1].op.name.startswith("FeatureExtractor/MobilenetV1/Conv2d_0/weights")
+           and "gradients" not in op.name]
+    assert len(ops) == 1, [o.name for o in ops]
+    return ops[0].outputs[0]
 
 
 def step_losses(fetched):
@@ -1077,9 +1157,268 @@ def step_tower_fetches(g, cap, fields):
         "localization_loss": cap["loss_dict"]["Loss/localization_loss"],
         "classification_loss": cap["loss_dict"]["Loss/classification_loss"],
         "match": match, "reg_weights": reg_w, "mined": cap["mined"],
+        "miner_cls_losses": cap["miner_cls_losses"],
         "gt_boxes": model.groundtruth_lists(fields.BoxListFields.boxes),
         "gt_classes": model.groundtruth_lists(fields.BoxListFields.classes),
     }
+
+
+# The step's own starting checkpoint (step/model.ckpt): the 199 model variables
+# of ssd/model.ckpt plus global_step, no optimizer slots, no EMA shadows, with
+# values chosen so that the TRAINING-mode step (BN on batch statistics) is well
+# conditioned: ReLU6 inputs mostly inside (0, 6), unit-gain kernels.
+STEP_CKPT_SEED = 5150
+# Extra layers whose output map is 2x1 or 1x1 (feature maps 3..5): their BN sees
+# 2 or 4 values per channel at batch 2 (1 or 2 per replica in two/).  With a
+# batch spread >> sqrt(BN epsilon 0.001) such a BN is saturated (x_hat = +-1 for
+# 2 values) and its backward pass is a near-total cancellation
+# (1 - x_hat^2 ~ eps/var) that amplifies float32 rounding in every gradient
+# upstream of it; a 20x smaller kernel puts the batch variance at about eps.
+STEP_SMALL_BN_LAYERS = ("Conv2d_13_pointwise_2_Conv2d_3_3x3_s2_32",
+                        "Conv2d_13_pointwise_1_Conv2d_4_1x1_16",
+                        "Conv2d_13_pointwise_2_Conv2d_4_3x3_s2_32",
+                        "Conv2d_13_pointwise_1_Conv2d_5_1x1_16",
+                        "Conv2d_13_pointwise_2_Conv2d_5_3x3_s2_16")
+STEP_CKPT_RECIPE = {
+    "weights [kh,kw,in,out] (feature extractor)": "N(0, sqrt(1/(kh*kw*in)))",
+    "weights of " + ", ".join(STEP_SMALL_BN_LAYERS) + " (2x1 and 1x1 maps)":
+        "N(0, 0.05*sqrt(1/(kh*kw*in)))",
+    "depthwise_weights [kh,kw,in,1]": "N(0, sqrt(1/(kh*kw)))",
+    "BatchNorm/gamma": "U(0.4, 0.8)",
+    "BatchNorm/beta": "U(2.0, 3.5)",
+    "BatchNorm/moving_mean": "N(0, 0.2)",
+    "BatchNorm/moving_variance": "U(0.5, 2.0)",
+    "BoxPredictor_*/{BoxEncoding,Class}Predictor/weights": "N(0, 0.05)",
+    "BoxPredictor_*/*/biases": "N(0, 0.1)",
+    "global_step": "1234 (not restored: include_global_step=False)",
+    "seed": STEP_CKPT_SEED,
+    "order": "variables sorted by name, one numpy default_rng draw each",
+}
+
+
+def step_ckpt_value(np, rng, name, shape, dtype):
+    shape = tuple(shape)
+    leaf = name.split("/")[-1]
+    if name == "global_step":
+        return np.array(1234, dtype)
+    if name.startswith("BoxPredictor_"):
+        if leaf == "weights":
+            return rng.normal(0.0, 0.05, shape).astype(dtype)
+        if leaf == "biases":
+            return rng.normal(0.0, 0.1, shape).astype(dtype)
+    elif leaf == "weights":
+        std = np.sqrt(1.0 / (shape[0] * shape[1] * shape[2]))
+        if name.split("/")[-2] in STEP_SMALL_BN_LAYERS:
+            std *= 0.05
+        return rng.normal(0.0, std, shape).astype(dtype)
+    elif leaf == "depthwise_weights":
+        return rng.normal(0.0, np.sqrt(1.0 / (shape[0] * shape[1])), shape).astype(dtype)
+    elif leaf == "gamma":
+        return rng.uniform(0.4, 0.8, shape).astype(dtype)
+    elif leaf == "beta":
+        return rng.uniform(2.0, 3.5, shape).astype(dtype)
+    elif leaf == "moving_mean":
+        return rng.normal(0.0, 0.2, shape).astype(dtype)
+    elif leaf == "moving_variance":
+        return rng.uniform(0.5, 2.0, shape).astype(dtype)
+    raise ValueError("no step checkpoint rule for " + name)
+
+
+def step_make_checkpoint(tf, model_config, prefix, ssd_prefix):
+    """Build the API's model (model_builder.build, training mode, one predict on a
+    [2,150,120,3] input so that every variable exists), assign the
+    STEP_CKPT_RECIPE values and save the model variables + global_step with
+    tf.compat.v1.train.Saver(var_list)."""
+    import numpy as np
+    from object_detection.builders import model_builder
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.train.get_or_create_global_step()
+        model = model_builder.build(model_config=model_config, is_training=True)
+        images = tf.compat.v1.placeholder(tf.float32, [2, 150, 120, 3])
+        pre, shapes = model.preprocess(images)
+        model.predict(pre, shapes)
+        var_list = sorted(tf.compat.v1.global_variables(), key=lambda v: v.op.name)
+        # same names and shapes as ssd/model.ckpt without its slots and shadows
+        reader = tf.compat.v1.train.NewCheckpointReader(ssd_prefix)
+        ssd = {k: v for k, v in reader.get_variable_to_shape_map().items()
+               if not k.endswith(("/ExponentialMovingAverage", "/RMSProp", "/RMSProp_1"))}
+        mine = {v.op.name: v.shape.as_list() for v in var_list}
+        assert mine == ssd, (sorted(set(mine) ^ set(ssd)))
+        assert len(var_list) == 200, len(var_list)
+        assert sum(n.endswith("/weights") and n.split("/")[-2] in STEP_SMALL_BN_LAYERS
+                   for n in mine) == len(STEP_SMALL_BN_LAYERS)
+        rng = np.random.default_rng(STEP_CKPT_SEED)
+        values = {v.op.name: step_ckpt_value(np, rng, v.op.name, v.shape.as_list(),
+                                             v.dtype.base_dtype.as_numpy_dtype)
+                  for v in var_list}
+        phs = {v.op.name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape) for v in var_list}
+        assigns = [tf.compat.v1.assign(v, phs[v.op.name]) for v in var_list]
+        saver = tf.compat.v1.train.Saver(var_list)
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(assigns, feed_dict={phs[n]: values[n] for n in phs})
+            saver.save(sess, prefix, write_meta_graph=False, write_state=False)
+    back = read_all(prefix)
+    assert sorted(back) == sorted(values)
+    for n, (arr, _) in back.items():
+        assert np.array_equal(arr, values[n]), n
+    return {"file": "model.ckpt", "tensor_count": len(back),
+            "model_variables": len(back) - 1, "recipe": STEP_CKPT_RECIPE,
+            "same_names_and_shapes_as_ssd_model_ckpt_model_variables": True}
+
+
+def step_probe(tf, configs, batch, ckpt, fields, scales):
+    """The training-mode forward + backward of the step batch (batch of 2, BN on
+    batch statistics, the loss of model_fn: loss parts + regularization) from
+    `ckpt`, with the preprocessed input multiplied by each of `scales`.
+    Returns per scale: losses, all gradients, the Conv2d_11/13 pointwise
+    activations, the ReLU6 clamp fractions, the miner's selections."""
+    import numpy as np
+    from object_detection import model_lib
+    from object_detection.builders import model_builder
+    model_config = configs["model"]
+    train_config = configs["train_config"]
+    features, labels = batch
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.train.get_or_create_global_step()
+        cap = {}
+        model = step_instrument(model_builder.build(
+            model_config=model_config, is_training=True, add_summaries=False), cap)
+        scale = tf.compat.v1.placeholder(tf.float32, [])
+        labs = model_lib.unstack_batch({k: tf.constant(v) for k, v in labels.items()},
+                                       unpad_groundtruth_tensors=train_config.unpad_groundtruth_tensors)
+        model_lib.provide_groundtruth(model, labs)
+        shape = tf.constant(features[fields.InputDataFields.true_image_shape])
+        pred = model.predict(tf.constant(features[fields.InputDataFields.image]) * scale, shape)
+        losses_dict = model.loss(pred, shape)
+        reg = tf.add_n(model.regularization_losses())
+        total = tf.add_n(list(losses_dict.values()) + [reg])
+        trainable = tf.compat.v1.trainable_variables()
+        grads = tf.gradients(total, trainable)
+        relus = [op for op in g.get_operations()
+                 if op.type == "Relu6" and "gradients" not in op.name]
+        acts = {}
+        for layer in ("Conv2d_11_pointwise", "Conv2d_13_pointwise"):
+            ops = [op for op in relus if ("/%s/" % layer) in op.name]
+            assert len(ops) == 1, [o.name for o in ops]
+            acts[layer] = ops[0].outputs[0]
+        clamp = {}
+        for op in relus:
+            x = op.inputs[0]
+            layer = op.name.split("/")[-2]
+            n = tf.cast(tf.size(x), tf.float32)
+            clamp[layer] = {"below_0": tf.reduce_sum(tf.cast(x <= 0.0, tf.float32)) / n,
+                            "above_6": tf.reduce_sum(tf.cast(x >= 6.0, tf.float32)) / n}
+        fetch = {
+            "losses": {"localization_loss": losses_dict["Loss/localization_loss"],
+                       "classification_loss": losses_dict["Loss/classification_loss"],
+                       "regularization_loss": reg, "total_loss": total},
+            "grads": {v.op.name: gr for v, gr in zip(trainable, grads)},
+            "acts": acts, "clamp": clamp,
+            "mined": [{"selected": m["selected"], "num_positives": m["num_positives"],
+                       "num_negatives": m["num_negatives"]} for m in cap["mined"]],
+        }
+        restore = tf.compat.v1.train.Saver(
+            [v for v in tf.compat.v1.global_variables() if v.op.name != "global_step"])
+        with tf.compat.v1.Session(graph=g, config=session_config(tf)) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            restore.restore(sess, ckpt)
+            return [sess.run(fetch, feed_dict={scale: np.float32(s)}) for s in scales]
+
+
+def step_compare(a, b, names=None):
+    """How far probe result b is from a (relative changes)."""
+    import numpy as np
+
+    def relmax(x, y):  # max |x-y| relative to the largest |x|
+        x = np.asarray(x, np.float64)
+        y = np.asarray(y, np.float64)
+        return float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30))
+    gn = lambda r: float(np.sqrt(sum((np.asarray(v, np.float64) ** 2).sum()
+                                     for v in r["grads"].values())))
+    names = sorted(a["grads"]) if names is None else names
+    per_var = {n: relmax(a["grads"][n], b["grads"][n]) for n in names}
+    all_vars = {n: relmax(a["grads"][n], b["grads"][n]) for n in a["grads"]}
+    worst = max(all_vars, key=all_vars.get)
+    return {
+        "losses_rel_change": {k: abs(float(b["losses"][k]) - float(v)) / abs(float(v))
+                              for k, v in a["losses"].items()},
+        "global_norm": [gn(a), gn(b)],
+        "global_norm_rel_change": abs(gn(b) - gn(a)) / gn(a),
+        "activations_rel_change": {k: relmax(v, b["acts"][k]) for k, v in a["acts"].items()},
+        "recorded_grads_max_rel_change": max(per_var.values()),
+        "recorded_grads_rel_change": per_var,
+        "all_grads_max_rel_change": all_vars[worst],
+        "all_grads_worst_variable": worst,
+        "mined_selection_identical": all(
+            np.array_equal(np.asarray(x["selected"]), np.asarray(y["selected"]))
+            for x, y in zip(a["mined"], b["mined"])),
+        "note": "rel change of a tensor = max|b-a| / max|a|; gradients of the total loss "
+                "(model_fn's, regularization included) w.r.t. every trainable variable",
+    }
+
+
+def step_conditioning(tf, configs, batch, ckpt, fields, eps=1e-6):
+    """Sensitivity of the training-mode step to a relative input change eps."""
+    import numpy as np
+    r0, r1 = step_probe(tf, configs, batch, ckpt, fields, [1.0, 1.0 + eps])
+    out = step_compare(r0, r1, STEP_VARS)
+    out["input_scale"] = 1.0 + eps
+    cl = r0["clamp"]
+    out["relu6_clamped_fraction"] = {k: round(float(v["below_0"] + v["above_6"]), 6)
+                                     for k, v in sorted(cl.items())}
+    out["relu6_clamped_fraction_max"] = max(out["relu6_clamped_fraction"].values())
+    out["relu6_clamped_fraction_mean"] = float(np.mean(list(out["relu6_clamped_fraction"].values())))
+    out["relu6_fraction_above_6_max"] = max(float(v["above_6"]) for v in cl.values())
+    out["losses_at_scale_1"] = {k: float(v) for k, v in r0["losses"].items()}
+    out["grad_max_abs_by_recorded_variable"] = {n: float(np.abs(r0["grads"][n]).max())
+                                                for n in STEP_VARS}
+    return out, r0
+
+
+def part_step_probe():
+    """Helper part (run by part_step in a subprocess, e.g. with oneDNN off):
+    argv: --probe-in batch.npz ckpt --probe-out result.npz"""
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import numpy as np
+    import pickle
+    tf = import_od()
+    install_estimator_shim()
+    from object_detection.core import standard_fields as fields
+    from object_detection.utils import config_util
+    src, ckpt, dst = PROBE_ARGS
+    with open(src, "rb") as fh:
+        batch, cfg_text = pickle.load(fh)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "pipeline.config")
+        open(p, "w").write(cfg_text)
+        configs = config_util.get_configs_from_pipeline_file(p)
+    res = step_probe(tf, configs, batch, ckpt, fields, [1.0])[0]
+    with open(dst, "wb") as fh:
+        pickle.dump(res, fh)
+
+
+PROBE_ARGS = None
+
+
+def step_probe_other_build(configs_text, batch, ckpt, env_extra):
+    """step_probe at scale 1 in a fresh process with env_extra (another TF
+    float32 kernel set, e.g. TF_ENABLE_ONEDNN_OPTS=0)."""
+    import pickle
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
+        with open(src, "wb") as fh:
+            pickle.dump((batch, configs_text), fh)
+        env = dict(os.environ)
+        env.update(env_extra)
+        subprocess.check_call([sys.executable, os.path.abspath(__file__), "--part", "step_probe",
+                               "--probe", src, ckpt, dst], env=env)
+        with open(dst, "rb") as fh:
+            return pickle.load(fh)
 
 
 def part_step():
@@ -1099,13 +1438,14 @@ def part_step():
 
     out = os.path.join(OUT, "step")
     os.makedirs(out, exist_ok=True)
-    ckpt = os.path.join(OUT, "ssd", "model.ckpt")
+    ckpt = os.path.join(out, "model.ckpt")
+    ssd_ckpt = os.path.join(OUT, "ssd", "model.ckpt")
     record = os.path.join(out, "train.record")
     step_make_record(tf, record)
     with open(os.path.join(out, "pipeline.config"), "w") as fh:
         fh.write("# Written by scripts/tf-fixtures/make_fixtures.py --part step.\n"
                  "# Replace CHECKPOINT_PREFIX with the path prefix of "
-                 "crates/model/tests/fixtures/tf/ssd/model.ckpt\n"
+                 "crates/model/tests/fixtures/tf/step/model.ckpt\n"
                  "# and TRAIN_RECORD with the path of "
                  "crates/model/tests/fixtures/tf/step/train.record.\n")
         fh.write(step_pipeline_text("CHECKPOINT_PREFIX", "TRAIN_RECORD"))
@@ -1119,6 +1459,7 @@ def part_step():
     train_config = configs["train_config"]
     meta = {"note": "see scripts/tf-fixtures/PROVENANCE.md, section step/",
             "variables": STEP_VARS, "facts": {}, "one": {}, "two": {}}
+    meta["checkpoint"] = step_make_checkpoint(tf, model_config, ckpt, ssd_ckpt)
     tensors = {}
 
     # =============== one: the batch-of-2 step through model_lib's own model_fn
@@ -1170,7 +1511,9 @@ def part_step():
             "global_norm": gnorm_ops[0].outputs[0],
             "preprocessed": features[fields.InputDataFields.image],
             "true_image_shape": features[fields.InputDataFields.true_image_shape],
-            "conv0_pre_bn": g.get_tensor_by_name("FeatureExtractor/MobilenetV1/Conv2d_0/Conv2D:0"),
+            "conv0_pre_bn": step_conv0(g),
+            "conv0_bn_update_values": step_bn_update_values(
+                g, "FeatureExtractor/MobilenetV1/Conv2d_0/BatchNorm/"),
         })
         init = [tf.compat.v1.global_variables_initializer(),
                 tf.compat.v1.local_variables_initializer(),
@@ -1206,6 +1549,31 @@ def part_step():
     meta["facts"]["bn_op_types"] = bn_op_types
     step_write(meta, tensors, out)
     part_step_two(tf, configs, batch, meta, tensors, ckpt, bn_names, fields)
+    step_write(meta, tensors, out)
+    # conditioning of the training-mode step: input x (1 + 1e-6), from this
+    # checkpoint and (for comparison) from ssd/model.ckpt
+    cond = {}
+    cond["step_model_ckpt"], r_step = step_conditioning(tf, configs, batch, ckpt, fields)
+    cond["ssd_model_ckpt"], _ = step_conditioning(tf, configs, batch, ssd_ckpt, fields)
+    for r in range(2):  # two/: replica r alone (batch 1, its own BN statistics)
+        sl = tuple({k: v[r:r + 1] for k, v in d.items()} for d in batch)
+        cond["step_model_ckpt_replica_%d" % r], _ = step_conditioning(tf, configs, sl, ckpt, fields)
+    for k, v in r_step["losses"].items():  # the probe graph is the one/ forward
+        assert abs(float(v) - one["losses"][k]) <= 1e-5 * abs(one["losses"][k]), (k, v)
+    cond["probe_vs_one_total_loss"] = [float(r_step["losses"]["total_loss"]),
+                                       one["losses"]["total_loss"]]
+    # TF's own float32 error, estimated with a second float32 kernel set:
+    # the same probe in a process with oneDNN off (TF_ENABLE_ONEDNN_OPTS=0)
+    cfg_text = open(os.path.join(out, "pipeline.config")).read()
+    cfg_text = cfg_text.replace("CHECKPOINT_PREFIX", ckpt).replace("TRAIN_RECORD", record)
+    r_plain = step_probe_other_build(cfg_text, batch, ckpt, {"TF_ENABLE_ONEDNN_OPTS": "0"})
+    c = step_compare(r_step, r_plain, STEP_VARS)
+    c["note"] = ("step/model.ckpt, scale 1: TF with oneDNN (the fixture) vs TF with "
+                 "TF_ENABLE_ONEDNN_OPTS=0 (Eigen kernels); " + c["note"])
+    cond["onednn_vs_eigen_float32"] = c
+    cond["float64"] = ("not run: the API builds float32 anchors, box coder, target "
+                       "assigner and FusedBatchNorm (no float64 kernel)")
+    meta["conditioning"] = cond
     step_write(meta, tensors, out)
 
 
@@ -1339,8 +1707,11 @@ def run_all():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=PARTS)
+    ap.add_argument("--part", choices=PARTS + ["step_probe"])
+    ap.add_argument("--probe", nargs=3, help=argparse.SUPPRESS)  # part step_probe only
     args = ap.parse_args()
+    global PROBE_ARGS
+    PROBE_ARGS = args.probe
     if args.part is None:
         run_all()
         return

@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip"
-if ! "$VENV/bin/python" -c 'import tensorflow, tf_slim, tf_keras, safetensors, scipy, matplotlib, grpc_tools' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import tensorflow, tf_slim, tf_keras, safetensors, scipy, matplotlib, grpc_tools, pycocotools' 2>/dev/null; then
   "$PIP" install -q --upgrade pip
   # TF 2.21 (CPU) and its own dependencies (numpy, protobuf, ml_dtypes, ...)
   "$PIP" install -q 'tensorflow-cpu==2.21.0'
@@ -28,6 +28,8 @@ if ! "$VENV/bin/python" -c 'import tensorflow, tf_slim, tf_keras, safetensors, s
   # contextlib2); grpcio-tools for protoc (regenerating the API's *_pb2.py)
   "$PIP" install -q 'safetensors==0.8.0' scipy pillow matplotlib contextlib2 \
     'grpcio-tools==1.85.1'
+  # pycocotools: imported at module level by eval_util (model_lib, part 'step')
+  "$PIP" install -q 'pycocotools==2.0.11'
 fi
 
 # The API sdist from PyPI (holds object_detection/ and slim/).
