@@ -67,7 +67,7 @@ impl TensorSource for TfCheckpointSource {
         }
         let s = &info.shape;
         Some(match s.len() {
-            4 if is_depthwise_kernel(name) => vec![s[2] * s[3], 1, s[0], s[1]],
+            4 if is_depthwise_kernel(name) => vec![s[2].saturating_mul(s[3]), 1, s[0], s[1]],
             4 => vec![s[3], s[2], s[0], s[1]],
             _ => s.clone(),
         })

@@ -259,11 +259,15 @@ impl Checkpoint {
             .dtype
             .size()
             .ok_or_else(|| fail(format!("dtype {:?} is not supported", entry.info.dtype)))?;
-        let count: usize = entry.info.shape.iter().product();
-        if count.checked_mul(elem) != Some(entry.size) {
+        let bytes_needed = entry
+            .info
+            .shape
+            .iter()
+            .try_fold(elem, |n, &d| n.checked_mul(d));
+        if bytes_needed != Some(entry.size) {
             return Err(fail(format!(
-                "{} bytes stored for {count} elements of {elem} bytes",
-                entry.size
+                "{} bytes stored for shape {:?} of {elem}-byte elements",
+                entry.size, entry.info.shape
             )));
         }
         let bytes = read_range(&path, entry.offset, entry.size).map_err(fail)?;
