@@ -55,7 +55,8 @@ fn all_scope_skips_a_class_predictor_made_for_other_classes() {
     let skipped = &report.skipped["shape differs from this model's"];
     assert_eq!(skipped.len(), 12, "{skipped:?}");
     assert!(skipped[0].contains("ClassPredictor"), "{skipped:?}");
-    assert!(report.missing.iter().all(|n| n.contains("ClassPredictor")));
+    // they are in the checkpoint, with another shape: skipped, not missing
+    assert!(report.missing.is_empty(), "{:?}", report.missing);
     let summary = report.summary(Path::new("coco")).join("\n");
     assert!(
         summary.contains("restored 187 tensors from coco"),

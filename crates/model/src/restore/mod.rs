@@ -142,9 +142,11 @@ fn unused_reason(name: &str) -> &'static str {
     } else if name == "global_step" {
         "step counter: training starts at step 0"
     } else {
-        "not part of this network"
+        NOT_IN_NETWORK
     }
 }
+
+const NOT_IN_NETWORK: &str = "not part of this network";
 
 /// Restores `model`'s tensors from `source` under `scope`. An error when nothing at all, or
 /// nothing of the feature extractor, could be restored (a checkpoint of another network).
@@ -154,16 +156,22 @@ pub fn restore<B: Backend>(
     source: &dyn TensorSource,
     scope: RestoreScope,
 ) -> Result<(Ssd<B>, RestoreReport)> {
+    // model names looked up (for what is missing), source names read (for what is unused)
+    let mut taken = HashSet::new();
     let mut used = HashSet::new();
     let mut skipped: Vec<(String, String)> = Vec::new();
     let mut restored = Vec::new();
     let mut failure = None;
     update_tensors(&mut model, config, |name, shape| {
+        if failure.is_some() {
+            return None;
+        }
         let found = candidates(name, scope)
             .into_iter()
             .find(|n| source.shape(n).is_some())?;
         let theirs = source.shape(&found).expect("found above");
-        used.insert(found.clone());
+        used.insert(source.stored_name(&found));
+        taken.insert(found.clone());
         if theirs != shape {
             let what = format!(
                 "{} {theirs:?} here, {shape:?} in this model",
@@ -178,7 +186,7 @@ pub fn restore<B: Backend>(
                 Some(v)
             }
             Err(e) => {
-                failure.get_or_insert(e);
+                failure = Some(e);
                 None
             }
         }
@@ -186,23 +194,30 @@ pub fn restore<B: Backend>(
     if let Some(e) = failure {
         return Err(e);
     }
-    let model_names: HashSet<String> = tensor_shapes(&model, config)
+    let model_names: Vec<String> = tensor_shapes(&model, config)
         .into_iter()
         .map(|(n, _)| n)
         .collect();
-    let missing = tensor_shapes(&model, config)
-        .into_iter()
-        .map(|(n, _)| n)
+    let missing = model_names
+        .iter()
         .filter(|n| {
             let c = candidates(n, scope);
-            !c.is_empty() && !c.iter().any(|c| used.contains(c))
+            !c.is_empty() && !c.iter().any(|c| taken.contains(c))
         })
+        .cloned()
         .collect();
     for name in source.names().into_iter().filter(|n| !used.contains(n)) {
-        let reason = if model_names.contains(&name) {
+        let known = unused_reason(&name);
+        let reason = if known != NOT_IN_NETWORK {
+            known.to_string()
+        } else if source.shape(&name).is_none() {
+            "not a floating-point tensor".to_string()
+        } else if used.contains(&source.stored_name(&name)) {
+            "trained values: their moving averages were read".to_string()
+        } else if model_names.contains(&name) {
             format!("outside the restore scope `{}`", scope.name())
         } else {
-            unused_reason(&name).to_string()
+            known.to_string()
         };
         skipped.push((reason, name));
     }

@@ -8,6 +8,7 @@ use safetensors::tensor::Dtype;
 
 use super::TensorSource;
 use crate::error::{ModelError, Result};
+use crate::mobilenet::SEPARABLE_BLOCKS;
 use crate::tf::bundle::{Checkpoint, DType};
 use crate::tf::names::{is_depthwise_kernel, is_moving_statistic, kernel_from_tf};
 
@@ -51,6 +52,10 @@ impl TfCheckpointSource {
 impl TensorSource for TfCheckpointSource {
     fn path(&self) -> &Path {
         self.checkpoint.prefix()
+    }
+
+    fn stored_name(&self, name: &str) -> String {
+        self.stored(name)
     }
 
     fn names(&self) -> Vec<String> {
@@ -154,7 +159,7 @@ fn hugging_face_aliases(names: &[String]) -> HashMap<String, String> {
         ("BatchNorm/moving_variance", "normalization.running_var"),
     ];
     let mut units = vec![("Conv2d_0".to_string(), "conv_stem".to_string())];
-    for i in 1..=13 {
+    for i in 1..=SEPARABLE_BLOCKS.len() {
         units.push((
             format!("Conv2d_{i}_depthwise"),
             format!("layer.{}", 2 * i - 2),

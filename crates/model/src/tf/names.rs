@@ -174,8 +174,17 @@ pub fn named_tensors<B: Backend>(
 /// Converts a TF kernel (`[kh, kw, in, out]`; depthwise `[kh, kw, in, multiplier]`) to this
 /// crate's layout (`[out, in, kh, kw]`; depthwise `[in * multiplier, 1, kh, kw]`, output
 /// channel `i * multiplier + m` as TF orders them). Returns the new shape and values.
+///
+/// Panics unless `shape` has 4 dimensions whose product is `values.len()`.
 pub fn kernel_from_tf(shape: &[usize], values: &[f32], depthwise: bool) -> (Vec<usize>, Vec<f32>) {
-    let [kh, kw, cin, cout] = [shape[0], shape[1], shape[2], shape[3]];
+    let &[kh, kw, cin, cout] = shape else {
+        panic!("a kernel has 4 dimensions, not {shape:?}");
+    };
+    assert_eq!(
+        kh * kw * cin * cout,
+        values.len(),
+        "kernel {shape:?} values"
+    );
     let (out_channels, in_per_group) = if depthwise {
         (cin * cout, 1)
     } else {

@@ -335,7 +335,7 @@ fn read_range(path: &Path, offset: u64, size: usize) -> std::result::Result<Vec<
     if offset.saturating_add(size as u64) > len {
         return Err(format!(
             "bytes {offset}..{} lie past the end of the data file ({len} bytes): truncated?",
-            offset + size as u64
+            offset.saturating_add(size as u64)
         ));
     }
     let mut bytes = vec![0; size];
@@ -377,6 +377,15 @@ impl Entry {
             .iter()
             .map(|d| usize::try_from(d.size).map_err(|_| format!("dimension {}", d.size)))
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        if shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none()
+        {
+            return Err(format!(
+                "shape {shape:?} has more elements than memory can address"
+            ));
+        }
         let bad = |what: &str, v: i64| format!("{what} {v} out of range");
         Ok(Self {
             info: TensorInfo {
@@ -389,5 +398,47 @@ impl Entry {
             crc: e.crc32c,
             partitioned: !e.slices.is_empty(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::{Dim, TensorShape};
+
+    fn entry(dims: &[i64], offset: i64, size: i64) -> BundleEntry {
+        BundleEntry {
+            dtype: 1,
+            shape: Some(TensorShape {
+                dim: dims.iter().map(|&size| Dim { size }).collect(),
+                unknown_rank: false,
+            }),
+            offset,
+            size,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn hostile_entries_are_refused() {
+        let huge = 1i64 << 40;
+        let err = |e: BundleEntry| Entry::from_proto(e).err().unwrap_or_default();
+        assert!(err(entry(&[huge, huge], 0, 4)).contains("more elements than memory"));
+        assert!(err(entry(&[-1, 3], 0, 4)).contains("dimension -1"));
+        assert!(err(entry(&[3], -5, 12)).contains("offset -5"));
+        assert!(err(entry(&[3], 0, -12)).contains("size -12"));
+        assert!(Entry::from_proto(entry(&[3, 4], i64::MAX, 48)).is_ok());
+    }
+
+    #[test]
+    fn a_range_past_the_end_is_named_without_overflow() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, [0u8; 16]).unwrap();
+        let err = read_range(&path, u64::MAX - 2, 8).unwrap_err();
+        assert!(
+            err.contains("past the end of the data file (16 bytes)"),
+            "{err}"
+        );
     }
 }

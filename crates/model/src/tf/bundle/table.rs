@@ -58,7 +58,7 @@ fn block(file: &[u8], (offset, size): (usize, usize)) -> Result<&[u8], String> {
         .ok_or_else(|| {
             format!(
                 "a block at bytes {offset}..{} lies past the end of the file ({} bytes): truncated?",
-                offset.saturating_add(size + TRAILER_LEN),
+                offset.saturating_add(size).saturating_add(TRAILER_LEN),
                 file.len()
             )
         })?;
