@@ -121,12 +121,40 @@ pub fn save(
     result
 }
 
-/// The latest complete checkpoint of `model_dir`, if any.
+/// The latest checkpoint of `model_dir`, `None` when it has none. A `checkpoint.json` naming
+/// a checkpoint folder that is missing or incomplete is an error (resuming from an older one,
+/// or from scratch, would silently lose the steps since): the message says what to do.
 pub fn latest(model_dir: &Path) -> Result<Option<PathBuf>> {
-    Ok(read_index(model_dir)?
-        .latest
-        .map(|n| model_dir.join(n))
-        .filter(|p| p.join("state.json").is_file()))
+    let index = read_index(model_dir)?;
+    let Some(name) = index.latest else {
+        return Ok(None);
+    };
+    let dir = model_dir.join(&name);
+    if dir.join("state.json").is_file() {
+        return Ok(Some(dir));
+    }
+    let older: Vec<&str> = index
+        .all
+        .iter()
+        .filter(|n| **n != name && model_dir.join(n).join("state.json").is_file())
+        .map(String::as_str)
+        .collect();
+    let options = match older.last() {
+        Some(o) => format!(
+            "restore it, or set `latest` in {} to an older checkpoint ({}) to resume from there",
+            model_dir.join("checkpoint.json").display(),
+            o
+        ),
+        None => format!(
+            "restore it, or remove {} to start over from step 0",
+            model_dir.join("checkpoint.json").display()
+        ),
+    };
+    anyhow::bail!(
+        "{} names the latest checkpoint {}, which is missing or incomplete (no state.json): {options}",
+        model_dir.join("checkpoint.json").display(),
+        dir.display()
+    )
 }
 
 /// Reads `state.json` of a checkpoint folder.
@@ -184,6 +212,25 @@ mod tests {
             read_state(&dir.path().join("ckpt-00000030")).unwrap().step,
             30
         );
+    }
+
+    #[test]
+    fn a_dangling_index_is_an_error_saying_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &state(10), &files(), 3).unwrap();
+        save(dir.path(), &state(20), &files(), 3).unwrap();
+        std::fs::remove_dir_all(dir.path().join("ckpt-00000020")).unwrap();
+        let err = format!("{:#}", latest(dir.path()).unwrap_err());
+        assert!(
+            err.contains("ckpt-00000020, which is missing")
+                && err.contains("older checkpoint (ckpt-00000010)"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(dir.path().join("ckpt-00000010")).unwrap();
+        let err = format!("{:#}", latest(dir.path()).unwrap_err());
+        assert!(err.contains("to start over from step 0"), "{err}");
+        // a model dir without an index has no checkpoint
+        assert!(latest(&dir.path().join("fresh")).unwrap().is_none());
     }
 
     #[test]

@@ -273,6 +273,12 @@ impl TrainConfig {
         {
             bail!("`train.gradient_clipping_by_norm` must be positive, got {n}");
         }
+        if t.num_steps == 0 {
+            bail!("`train.num_steps` must be at least 1, got 0");
+        }
+        if t.log_every == 0 {
+            bail!("`train.log_every` must be at least 1, got 0");
+        }
         if t.checkpoint_every == 0 {
             bail!("`train.checkpoint_every` must be at least 1");
         }
@@ -346,7 +352,14 @@ impl LearningRate {
                     && *total_steps > warmup_steps + hold_base_rate_steps
                     && warmup_learning_rate <= learning_rate_base
             }
-            Self::ManualStep { schedule, .. } => schedule.windows(2).all(|w| w[0].0 < w[1].0),
+            Self::ManualStep {
+                initial_learning_rate,
+                schedule,
+            } => {
+                *initial_learning_rate >= 0.0
+                    && schedule.iter().all(|(_, rate)| *rate >= 0.0)
+                    && schedule.windows(2).all(|w| w[0].0 < w[1].0)
+            }
         };
         if ok {
             Ok(())
@@ -499,5 +512,49 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("batch_sise"), "{err}");
+    }
+
+    #[test]
+    fn zero_steps_zero_log_interval_and_negative_rates_are_refused() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let good = TrainConfig::load(&dir.join("synthetic.json")).unwrap();
+        let refused = |edit: &dyn Fn(&mut TrainConfig), field: &str| {
+            let mut c = good.clone();
+            edit(&mut c);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{err}");
+        };
+        refused(
+            &|c| c.train.num_steps = 0,
+            "`train.num_steps` must be at least 1, got 0",
+        );
+        refused(
+            &|c| c.train.log_every = 0,
+            "`train.log_every` must be at least 1, got 0",
+        );
+        let rates = [
+            LearningRate::Constant {
+                learning_rate: -0.1,
+            },
+            LearningRate::Constant {
+                learning_rate: f64::NAN,
+            },
+            LearningRate::ManualStep {
+                initial_learning_rate: 0.1,
+                schedule: vec![(10, -0.01)],
+            },
+        ];
+        for rate in rates {
+            let rate = &rate;
+            refused(
+                &|c| {
+                    c.train.optimizer = OptimizerConfig::Momentum {
+                        learning_rate: rate.clone(),
+                        momentum: 0.9,
+                    }
+                },
+                "`train.optimizer.learning_rate` is invalid",
+            );
+        }
     }
 }
