@@ -162,7 +162,7 @@ pub fn restore<B: Backend>(
     let mut skipped: Vec<(String, String)> = Vec::new();
     let mut restored = Vec::new();
     let mut failure = None;
-    update_tensors(&mut model, config, |name, shape| {
+    update_tensors(&mut model, config, |name, shape, _| {
         if failure.is_some() {
             return None;
         }

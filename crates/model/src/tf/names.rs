@@ -57,8 +57,6 @@ pub fn is_moving_statistic(name: &str) -> bool {
     name.ends_with("/moving_mean") || name.ends_with("/moving_variance")
 }
 
-const BN_PARTS: [&str; 4] = ["gamma", "beta", "moving_mean", "moving_variance"];
-
 fn head_names<B: Backend>(model: &mut Ssd<B>) -> Vec<(String, &mut Conv2d<B>)> {
     let (boxes, classes) = model.heads_mut();
     let mut out = Vec::new();
@@ -84,34 +82,39 @@ fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .expect("a float tensor converts to f32")
 }
 
-/// Calls `f(name, shape)` for every tensor of the network in a fixed order (the units
-/// backbone first, each kernel then its BatchNorm, then the predictor heads); where `f`
-/// returns values (of exactly that shape), they replace the tensor.
+/// Calls `f(name, shape, current)` for every tensor of the network, `current` its values
+/// flattened, in a fixed order (the units backbone first, each kernel then its BatchNorm, then
+/// the predictor heads); where `f` returns values (of exactly that shape), they replace the
+/// tensor.
 pub(crate) fn update_tensors<B: Backend>(
     model: &mut Ssd<B>,
     config: &SsdConfig,
-    mut f: impl FnMut(&str, &[usize]) -> Option<Vec<f32>>,
+    mut f: impl FnMut(&str, &[usize], Tensor<B, 1>) -> Option<Vec<f32>>,
 ) {
     let names = unit_names(config);
     for (unit, name) in model.conv_units_mut().into_iter().zip(names) {
         let device = unit.conv.weight.device();
         let dims = unit.conv.weight.dims();
-        if let Some(v) = f(&kernel_name(&name), &dims) {
+        if let Some(v) = f(
+            &kernel_name(&name),
+            &dims,
+            unit.conv.weight.val().flatten(0, 3),
+        ) {
             unit.conv.weight = Param::from_tensor(to_tensor(v, dims, &device));
         }
         let c = [dims[0]];
         let part = |p: &str| format!("{name}/BatchNorm/{p}");
-        if let Some(v) = f(&part("gamma"), &c) {
+        if let Some(v) = f(&part("gamma"), &c, unit.bn.gamma.val()) {
             unit.bn.gamma = Param::from_tensor(to_tensor(v, c, &device));
         }
-        if let Some(v) = f(&part("beta"), &c) {
+        if let Some(v) = f(&part("beta"), &c, unit.bn.beta.val()) {
             unit.bn.beta = Param::from_tensor(to_tensor(v, c, &device));
         }
         let (mut mean, mut variance) = unit.bn.moving_stats();
-        if let Some(v) = f(&part("moving_mean"), &c) {
+        if let Some(v) = f(&part("moving_mean"), &c, mean.clone()) {
             mean = to_tensor(v, c, &device);
         }
-        if let Some(v) = f(&part("moving_variance"), &c) {
+        if let Some(v) = f(&part("moving_variance"), &c, variance.clone()) {
             variance = to_tensor(v, c, &device);
         }
         unit.bn.set_moving_stats(mean, variance);
@@ -119,11 +122,16 @@ pub(crate) fn update_tensors<B: Backend>(
     for (name, head) in head_names(model) {
         let device = head.weight.device();
         let dims = head.weight.dims();
-        if let Some(v) = f(&format!("{name}/weights"), &dims) {
+        if let Some(v) = f(
+            &format!("{name}/weights"),
+            &dims,
+            head.weight.val().flatten(0, 3),
+        ) {
             head.weight = Param::from_tensor(to_tensor(v, dims, &device));
         }
-        if head.bias.is_some()
-            && let Some(v) = f(&format!("{name}/biases"), &[dims[0]])
+        let bias = head.bias.as_ref().map(|b| b.val());
+        if let Some(current) = bias
+            && let Some(v) = f(&format!("{name}/biases"), &[dims[0]], current)
         {
             head.bias = Some(Param::from_tensor(to_tensor(v, [dims[0]], &device)));
         }
@@ -133,7 +141,7 @@ pub(crate) fn update_tensors<B: Backend>(
 /// `(name, shape)` of every tensor of the network, in [`update_tensors`] order.
 pub fn tensor_shapes<B: Backend>(model: &Ssd<B>, config: &SsdConfig) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();
-    update_tensors(&mut model.clone(), config, |name, shape| {
+    update_tensors(&mut model.clone(), config, |name, shape, _| {
         out.push((name.to_string(), shape.to_vec()));
         None
     });
@@ -145,29 +153,11 @@ pub fn named_tensors<B: Backend>(
     model: &Ssd<B>,
     config: &SsdConfig,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let mut model = model.clone();
     let mut out = Vec::new();
-    for (unit, name) in model.conv_units_mut().into_iter().zip(unit_names(config)) {
-        let w = unit.conv.weight.val();
-        out.push((kernel_name(&name), w.dims().to_vec(), values(w)));
-        let (mean, variance) = unit.bn.moving_stats();
-        let parts = [unit.bn.gamma.val(), unit.bn.beta.val(), mean, variance];
-        for (part, t) in BN_PARTS.iter().zip(parts) {
-            out.push((
-                format!("{name}/BatchNorm/{part}"),
-                t.dims().to_vec(),
-                values(t),
-            ));
-        }
-    }
-    for (name, head) in head_names(&mut model) {
-        let w = head.weight.val();
-        out.push((format!("{name}/weights"), w.dims().to_vec(), values(w)));
-        if let Some(b) = &head.bias {
-            let b = b.val();
-            out.push((format!("{name}/biases"), b.dims().to_vec(), values(b)));
-        }
-    }
+    update_tensors(&mut model.clone(), config, |name, shape, current| {
+        out.push((name.to_string(), shape.to_vec(), values(current)));
+        None
+    });
     out
 }
 
