@@ -10,7 +10,6 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use burn::backend::Flex;
 use burn::tensor::{Distribution, Tensor};
 use data::augment::Augmentation;
 use data::loader::{Loader, LoaderConfig, Position, load_sample};
@@ -22,8 +21,8 @@ use model::ssd::anchors;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use train::config::TrainConfig;
-use train::devices::{Devices, parse_devices};
-use train::learner::{RunOptions, train};
+use train::devices::{BackendJob, parse_device, parse_devices};
+use train::learner::{RunOptions, RunSummary, train};
 
 /// One measurement, run in a child process.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -153,15 +152,11 @@ pub fn run_case(case: &Case, scratch: &Path, repeats: usize) -> Result<()> {
             device,
             batch,
             postprocess,
-        } => match parse_devices(Some(device))?.0 {
-            Devices::Cpu(1) => {
-                infer_case::<Flex>(Default::default(), *batch, *postprocess, repeats)?
-            }
-            Devices::Cuda(ids) if ids.len() == 1 => {
-                cuda_infer(ids[0], *batch, *postprocess, repeats)?
-            }
-            _ => bail!("inference runs on one device, not {device}"),
-        },
+        } => parse_device(device)?.run(Inference {
+            batch: *batch,
+            with_nms: *postprocess,
+            repeats,
+        })?,
         Case::Data { workers } => data_case(*workers, scratch, repeats)?,
     };
     println!("{}", serde_json::to_string(&measured)?);
@@ -249,10 +244,10 @@ fn train_case(
         cluster: None,
         repeat_first_batch: in_memory,
     };
-    let summary = match parse_devices(Some(devices))?.0 {
-        Devices::Cpu(n) => train::<Flex>(&config, &vec![Default::default(); n], &options)?,
-        Devices::Cuda(ids) => cuda_train(&config, ids, &options)?,
-    };
+    let summary = parse_devices(Some(devices))?.0.run(Training {
+        config: &config,
+        options: &options,
+    })?;
     let steps = &summary.step_seconds[WARM_UP_STEPS.min(summary.step_seconds.len())..];
     let total: f64 = summary.step_seconds.iter().sum();
     Ok(Measured {
@@ -265,42 +260,34 @@ fn train_case(
     })
 }
 
-#[cfg(feature = "cuda")]
-fn cuda_train(
-    config: &TrainConfig,
-    ids: Vec<usize>,
-    options: &RunOptions,
-) -> Result<train::learner::RunSummary> {
-    let devices: Vec<_> = ids
-        .into_iter()
-        .map(burn::backend::cuda::CudaDevice::new)
-        .collect();
-    train::<burn::backend::Cuda>(config, &devices, options)
+/// [`train`] as a [`BackendJob`].
+struct Training<'a> {
+    config: &'a TrainConfig,
+    options: &'a RunOptions,
 }
 
-#[cfg(feature = "cuda")]
-fn cuda_infer(id: usize, batch: usize, with_nms: bool, repeats: usize) -> Result<Measured> {
-    let device = burn::backend::cuda::CudaDevice::new(id);
-    infer_case::<burn::backend::Cuda>(device, batch, with_nms, repeats)
+impl BackendJob for Training<'_> {
+    type Output = RunSummary;
+    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<RunSummary> {
+        train::<B>(self.config, &devices, self.options)
+    }
 }
 
-// without the `cuda` feature `parse_devices` finds no CUDA device, so these never run
-#[cfg(not(feature = "cuda"))]
-fn cuda_train(
-    _: &TrainConfig,
-    _: Vec<usize>,
-    _: &RunOptions,
-) -> Result<train::learner::RunSummary> {
-    bail!("xtask was built without the cuda feature")
+/// [`infer_case`] as a [`BackendJob`].
+struct Inference {
+    batch: usize,
+    with_nms: bool,
+    repeats: usize,
 }
 
-#[cfg(not(feature = "cuda"))]
-fn cuda_infer(_: usize, _: usize, _: bool, _: usize) -> Result<Measured> {
-    bail!("xtask was built without the cuda feature")
+impl BackendJob for Inference {
+    type Output = Measured;
+    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<Measured> {
+        let device = devices.into_iter().next().context("one device")?;
+        infer_case::<B>(device, self.batch, self.with_nms, self.repeats)
+    }
 }
 
-/// The forward pass (and post-processing) on `device`; each repetition ends when the
-/// predictions are back in host memory.
 fn infer_case<B: SsdBackend>(
     device: B::Device,
     batch: usize,

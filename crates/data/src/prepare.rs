@@ -42,7 +42,7 @@ pub struct PrepareSummary {
 }
 
 fn write_text(path: &Path, text: &str) -> Result<()> {
-    model::weights::write_atomic(path, text.as_bytes()).map_err(DataError::io("writing", path))
+    model::io::write_atomic(path, text.as_bytes()).map_err(DataError::io("writing", path))
 }
 
 fn count_objects(e: &DetectionExample, counts: &mut BTreeMap<String, usize>) {

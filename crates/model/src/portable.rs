@@ -19,10 +19,10 @@ use safetensors::tensor::{Dtype, TensorView};
 
 use crate::config::SsdConfig;
 use crate::error::{ModelError, Result};
+use crate::io::write_atomic;
 use crate::restore::{RestoreScope, SafetensorsSource, restore, restore_exact};
 use crate::ssd::Ssd;
 use crate::tf::names::named_tensors;
-use crate::weights::write_atomic;
 
 /// Writes the network's weights (BatchNorm moving statistics included) as safetensors with
 /// the names in the module documentation, the config in the metadata; atomically.

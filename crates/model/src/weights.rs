@@ -2,8 +2,6 @@
 //! (temporary file, fsync, rename) and checked parameter by parameter against the config on
 //! load, so a file made for another config is a clear error.
 
-use std::fs::File;
-use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
@@ -14,32 +12,10 @@ use burn::tensor::backend::Backend;
 
 use crate::config::SsdConfig;
 use crate::error::{ModelError, Result};
+use crate::io::write_atomic;
 use crate::ssd::Ssd;
 
 type WeightsRecorder = NamedMpkBytesRecorder<FullPrecisionSettings>;
-
-/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one:
-/// a temporary file beside it is written and fsynced, then renamed over `path`.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut file = File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        // Persist the rename itself.
-        File::open(dir).and_then(|d| d.sync_all()).or(Ok(()))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
 
 /// Encodes the weights (including BatchNorm moving statistics) as bytes.
 pub fn weights_to_bytes<B: Backend>(model: &Ssd<B>) -> Vec<u8> {

@@ -11,6 +11,9 @@ use anyhow::{Context, Result};
 use data::loader::Position;
 use serde::{Deserialize, Serialize};
 
+/// The config stored beside a checkpoint's weights (`model.json`).
+pub const MODEL_CONFIG_FILE: &str = "model.json";
+
 /// What a checkpoint records besides tensors.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointState {
@@ -59,13 +62,32 @@ fn read_index(model_dir: &Path) -> Result<Index> {
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let mut f =
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    f.write_all(bytes)
-        .with_context(|| format!("writing {}", path.display()))?;
-    f.sync_all()
-        .with_context(|| format!("syncing {}", path.display()))
+    model::io::write_synced(path, bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads a checkpoint just written back and compares it with what was meant to be there.
+fn verify(dir: &Path, files: &CheckpointFiles) -> Result<()> {
+    let expected = [
+        ("model.mpk", Some(&files.weights)),
+        ("optimizer.mpk", Some(&files.optimizer)),
+        ("ema.mpk", files.ema.as_ref()),
+        (MODEL_CONFIG_FILE, Some(&files.model_config)),
+    ];
+    for (name, bytes) in expected {
+        let Some(bytes) = bytes else { continue };
+        let path = dir.join(name);
+        let read =
+            std::fs::read(&path).with_context(|| format!("reading back {}", path.display()))?;
+        if &read != bytes {
+            anyhow::bail!(
+                "{} does not read back as written ({} bytes instead of {}): the disk may be failing; older checkpoints are kept",
+                path.display(),
+                read.len(),
+                bytes.len()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Writes checkpoint `state.step` into `model_dir` and prunes old ones.
@@ -88,24 +110,24 @@ pub fn save(
         if let Some(ema) = &files.ema {
             write_file(&tmp.join("ema.mpk"), ema)?;
         }
-        write_file(
-            &tmp.join(crate::trained::MODEL_CONFIG_FILE),
-            &files.model_config,
-        )?;
+        write_file(&tmp.join(MODEL_CONFIG_FILE), &files.model_config)?;
         write_file(
             &tmp.join("state.json"),
             serde_json::to_string_pretty(state)?.as_bytes(),
         )?;
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::rename(&tmp, &dir)
+            .and_then(|()| model::io::sync_dir(model_dir))
             .with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        // old checkpoints go only once this one reads back as written
+        verify(&dir, files)?;
         let mut index = read_index(model_dir)?;
         index.all.retain(|n| n != &name);
         index.all.push(name.clone());
         index.latest = Some(name.clone());
         let excess = index.all.len().saturating_sub(keep);
         let old: Vec<String> = index.all.drain(..excess).collect();
-        model::weights::write_atomic(
+        model::io::write_atomic(
             &model_dir.join("checkpoint.json"),
             serde_json::to_string_pretty(&index)?.as_bytes(),
         )

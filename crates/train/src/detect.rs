@@ -9,7 +9,7 @@ use model::ops::SsdBackend;
 use model::{Detection, Detector};
 use serde::Serialize;
 
-use crate::draw::{draw_text, fill};
+use crate::report::draw::{draw_text, fill};
 
 /// File extensions read as images when a folder is given.
 const IMAGE_EXTENSIONS: [&str; 4] = ["jpg", "jpeg", "png", "gif"];
@@ -94,22 +94,16 @@ pub fn draw_detections(image: &mut RgbImage, detections: &[Detection]) {
     }
 }
 
-/// The first `count` images of an evaluation set with their detections scoring at least 0.5
-/// (at most 20 each) drawn, for TensorBoard. `results[i]` holds record `i`'s detections in
+/// Evaluation images with their detections scoring at least 0.5 (at most 20 each) drawn,
+/// for TensorBoard: `images[i]` is record `i` as decoded and `results[i]` its detections in
 /// pixels, as `eval::run_on_dataset` returns them.
 pub fn eval_images(
-    index: &data::tfrecord::RecordIndex,
-    results: &[crate::metrics::ImageResult],
+    images: Vec<RgbImage>,
+    results: &[crate::eval::metrics::ImageResult],
     config: &model::SsdConfig,
-    count: usize,
-) -> Result<Vec<RgbImage>> {
-    let mut images = Vec::new();
-    for (i, result) in results.iter().take(count).enumerate() {
-        let example = data::DetectionExample::decode(&index.read(i)?)
-            .with_context(|| format!("evaluation record {i}"))?;
-        let mut image = image::load_from_memory(&example.encoded)
-            .with_context(|| format!("evaluation record {i}: image"))?
-            .to_rgb8();
+) -> Vec<RgbImage> {
+    let mut drawn = Vec::new();
+    for (mut image, result) in images.into_iter().zip(results) {
         let (h, w) = (image.height() as f32, image.width() as f32);
         let detections: Vec<Detection> = result
             .detections
@@ -130,9 +124,9 @@ pub fn eval_images(
             })
             .collect();
         draw_detections(&mut image, &detections);
-        images.push(image);
+        drawn.push(image);
     }
-    Ok(images)
+    drawn
 }
 
 /// Detections of one image, as written to `detections.json`.
@@ -188,7 +182,7 @@ pub fn detect_files<B: SsdBackend>(
         }
     }
     let json = out.join("detections.json");
-    model::weights::write_atomic(&json, serde_json::to_string_pretty(&results)?.as_bytes())
+    model::io::write_atomic(&json, serde_json::to_string_pretty(&results)?.as_bytes())
         .with_context(|| format!("writing {}", json.display()))?;
     if !failed.is_empty() {
         bail!(

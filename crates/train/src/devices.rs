@@ -1,6 +1,11 @@
-//! Which accelerators this machine has, and which of them a run uses.
+//! Which accelerators this machine has, which of them a run uses, and the one place that
+//! picks the backend for them ([`Devices::run`]).
 
 use anyhow::{Context, Result, bail};
+use burn::backend::Flex;
+use model::ops::SsdBackend;
+
+use crate::config::TrainConfig;
 
 /// Number of CUDA devices the driver reports; 0 without a driver or without the `cuda`
 /// feature.
@@ -89,6 +94,86 @@ pub fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
     }
 }
 
+/// Work written once for every backend; [`Devices::run`] calls it with the backend of the
+/// chosen devices (generic closures do not exist in Rust, so the work is a trait).
+pub trait BackendJob {
+    /// What the work returns.
+    type Output;
+    /// Does the work on `devices` (one or more, all of backend `B`).
+    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<Self::Output>;
+}
+
+impl Devices {
+    /// Runs `job` with these devices' backend: burn-flex on the CPU (one device per
+    /// replica, all the same), CUDA on GPUs.
+    pub fn run<J: BackendJob>(&self, job: J) -> Result<J::Output> {
+        match self {
+            Devices::Cpu(n) => job.run::<Flex>(vec![Default::default(); *n]),
+            #[cfg(feature = "cuda")]
+            Devices::Cuda(ids) => job.run::<burn::backend::Cuda>(
+                ids.iter()
+                    .map(|&i| burn::backend::cuda::CudaDevice::new(i))
+                    .collect(),
+            ),
+            #[cfg(not(feature = "cuda"))]
+            Devices::Cuda(_) => bail!("built without the `cuda` feature"),
+        }
+    }
+}
+
+/// The one device of a `--device` value: `cpu` or a CUDA ordinal (evaluation, detection and
+/// inference benchmarks run on one device).
+pub fn parse_device(spec: &str) -> Result<Devices> {
+    match parse_devices(Some(spec))?.0 {
+        Devices::Cuda(ids) if ids.len() > 1 => {
+            bail!("--device {spec}: one device (`cpu` or a CUDA ordinal), not several")
+        }
+        Devices::Cpu(n) if n > 1 => bail!("--device {spec}: one device (`cpu`), not {n} replicas"),
+        one => Ok(one),
+    }
+}
+
+/// The most memory a run may plan to use on one GPU (no GPU has more): a guard against
+/// sizes that would abort in the allocator.
+const MAX_DEVICE_BYTES: f64 = 1024.0 * GIB;
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Refuses a run whose training step cannot fit, with the figures: on the CPU the estimate
+/// (`model::memory::training_bytes`) for the whole batch against the machine's memory, on
+/// GPUs each device's share against [`MAX_DEVICE_BYTES`].
+pub fn check_memory(config: &TrainConfig, devices: &Devices) -> Result<()> {
+    let batch = config.train.batch_size;
+    let (images, available, place) = match devices {
+        Devices::Cpu(_) => (batch, host_memory_bytes(), "this machine has"),
+        Devices::Cuda(ids) => (
+            batch.div_ceil(ids.len().max(1)),
+            Some(MAX_DEVICE_BYTES),
+            "no GPU has",
+        ),
+    };
+    let needed = model::memory::training_bytes(&config.model, images);
+    let Some(available) = available.filter(|&a| needed > a) else {
+        return Ok(());
+    };
+    let m = &config.model;
+    bail!(
+        "a training step of {images} image(s) needs about {:.1} GiB (`model.image_size` {:?}, `model.num_classes` {}, `model.depth_multiplier` {}, `train.batch_size` {batch}), and {place} {:.1} GiB: lower the batch size, the image size or the depth multiplier",
+        needed / GIB,
+        m.image_size,
+        m.num_classes,
+        m.depth_multiplier,
+        available / GIB
+    )
+}
+
+/// The machine's physical memory (Linux's `MemTotal`); `None` where it cannot be read.
+fn host_memory_bytes() -> Option<f64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +185,52 @@ mod tests {
         for bad in ["cpu:0", "cpu:x", "gpu", "0,a"] {
             let err = parse_devices(Some(bad)).unwrap_err().to_string();
             assert!(err.contains(bad), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_single_device_is_cpu_or_one_ordinal() {
+        assert_eq!(parse_device("cpu").unwrap(), Devices::Cpu(1));
+        let err = parse_device("cpu:2").unwrap_err().to_string();
+        assert!(err.contains("not 2 replicas"), "{err}");
+        let err = parse_device("tpu").unwrap_err().to_string();
+        assert!(err.contains("tpu"), "{err}");
+    }
+
+    /// The job runs with the backend and device count of the spec.
+    #[test]
+    fn a_job_runs_on_the_devices_of_its_spec() {
+        struct Count;
+        impl BackendJob for Count {
+            type Output = (usize, &'static str);
+            fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<Self::Output> {
+                Ok((devices.len(), std::any::type_name::<B>()))
+            }
+        }
+        let (n, backend) = Devices::Cpu(3).run(Count).unwrap();
+        assert_eq!(n, 3);
+        assert!(backend.contains("Flex"), "{backend}");
+    }
+
+    #[test]
+    fn sizes_that_cannot_fit_are_refused_with_their_figures() {
+        let mut config: TrainConfig = serde_json::from_str(
+            &std::fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../configs/synthetic.json"
+            ))
+            .unwrap(),
+        )
+        .unwrap();
+        check_memory(&config, &Devices::Cpu(1)).unwrap();
+        check_memory(&config, &Devices::Cuda(vec![0])).unwrap();
+        config.model.image_size = [100_000, 100_000];
+        for devices in [Devices::Cpu(2), Devices::Cuda(vec![0, 1])] {
+            let err = check_memory(&config, &devices).unwrap_err().to_string();
+            assert!(
+                err.contains("[100000, 100000]") && err.contains("GiB"),
+                "{err}"
+            );
         }
     }
 

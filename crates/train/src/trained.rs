@@ -14,7 +14,7 @@ use model::tf::bundle::is_checkpoint;
 use model::tf::names::named_tensors;
 use model::{Ssd, SsdConfig};
 
-use crate::checkpoint;
+use crate::checkpoint::{self, MODEL_CONFIG_FILE};
 
 /// Which weights to take from a run or checkpoint that keeps both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -43,9 +43,6 @@ pub struct TrainedModel {
     pub config: SsdConfig,
     source: Source,
 }
-
-/// The config stored beside a checkpoint's weights (`model.json`).
-pub const MODEL_CONFIG_FILE: &str = "model.json";
 
 fn read_model_config(path: &Path) -> Result<SsdConfig> {
     let text =

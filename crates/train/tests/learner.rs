@@ -23,9 +23,9 @@ use prost::Message;
 use train::config::{
     DataSettings, EvalSettings, LearningRate, OptimizerConfig, TrainConfig, TrainSettings,
 };
-use train::events::Event;
 use train::learner::{RunOptions, RunSummary, train};
 use train::optim::{TfOptimizer, clip_by_global_norm};
+use train::report::events::Event;
 use train::sync::{Bucketing, flatten_gradients, unflatten_gradients};
 
 type B = Flex;
@@ -418,26 +418,73 @@ fn train_process(config: &Path, model_dir: &Path, args: &[&str]) -> std::process
     cmd
 }
 
-/// Two nodes (processes) on loopback with two CPU replicas each.
-fn two_nodes(config: &Path, model_dir: &Path, extra: &[&str]) -> [std::process::Child; 2] {
-    let coordinator = format!("ws://127.0.0.1:{}", free_port());
-    [0, 1].map(|rank| {
-        let rank = rank.to_string();
+/// The token the test's nodes share.
+const TOKEN: &str = "test-cluster-token-0123";
+
+/// Two nodes (processes) on loopback with two CPU replicas each; `meanwhile` runs between
+/// the start of rank 0 and that of rank 1, with rank 0's port.
+fn two_nodes_with(
+    config: &Path,
+    model_dir: &Path,
+    extra: &[&str],
+    meanwhile: impl FnOnce(u16),
+) -> [std::process::Child; 2] {
+    let port = free_port();
+    let coordinator = format!("tcp://127.0.0.1:{port}");
+    let spawn = |rank: &str| {
         let mut args = vec![
             "--devices",
             "cpu:2",
             "--nodes",
             "2",
             "--node-rank",
-            &rank,
+            rank,
             "--coordinator",
             &coordinator,
             "--node-timeout",
             "20",
         ];
         args.extend_from_slice(extra);
-        train_process(config, model_dir, &args).spawn().unwrap()
-    })
+        train_process(config, model_dir, &args)
+            .env(train::sync::TOKEN_ENV, TOKEN)
+            .spawn()
+            .unwrap()
+    };
+    let rank0 = spawn("0");
+    meanwhile(port);
+    [rank0, spawn("1")]
+}
+
+fn two_nodes(config: &Path, model_dir: &Path, extra: &[&str]) -> [std::process::Child; 2] {
+    two_nodes_with(config, model_dir, extra, |_| ())
+}
+
+/// A stranger who knows the port but not the token connects to rank 0 first, claiming rank 1:
+/// it gets the challenge, answers with a made-up proof, and is dropped without a verdict.
+fn stranger_claims_rank_1(port: u16) {
+    use std::io::{Read, Write};
+    let started = std::time::Instant::now();
+    let mut stream = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if started.elapsed().as_secs() < 60 => {
+                std::thread::sleep(std::time::Duration::from_millis(50))
+            }
+            Err(e) => panic!("rank 0 never listened: {e}"),
+        }
+    };
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).unwrap();
+    let mut challenge = vec![0u8; u32::from_le_bytes(len) as usize];
+    stream.read_exact(&mut challenge).unwrap();
+    let hello = br#"{"rank":1,"nodes":2,"replicas":2,"run":"00","proof":"00"}"#;
+    stream
+        .write_all(&(hello.len() as u32).to_le_bytes())
+        .unwrap();
+    stream.write_all(hello).unwrap();
+    let mut verdict = Vec::new();
+    let _ = stream.read_to_end(&mut verdict);
+    assert!(verdict.is_empty(), "a stranger got an answer");
 }
 
 /// Waits until rank 0 has logged two steps in `model_dir`.
@@ -462,7 +509,8 @@ fn finish(child: std::process::Child) -> (bool, String) {
 }
 
 #[test]
-fn two_nodes_equal_one_node_with_all_replicas_and_a_lost_node_ends_the_run() {
+fn two_nodes_equal_one_node_with_all_replicas_a_stranger_cannot_join_and_a_lost_node_ends_the_run()
+{
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
     let runs = tempfile::tempdir().unwrap();
@@ -483,9 +531,21 @@ fn two_nodes_equal_one_node_with_all_replicas_and_a_lost_node_ends_the_run() {
         .unwrap();
         let (ok, log) = finish(single);
         assert!(ok, "{log}");
-        let [rank0, rank1] = two_nodes(&config_file, &two, &["--num-steps", steps]);
+        // the first time, a stranger tries to join as rank 1 before the real one
+        let stranger = |port| {
+            if steps == "2" {
+                stranger_claims_rank_1(port)
+            }
+        };
+        let [rank0, rank1] = two_nodes_with(&config_file, &two, &["--num-steps", steps], stranger);
         let ((ok0, log0), (ok1, log1)) = (finish(rank0), finish(rank1));
         assert!(ok0 && ok1, "rank 0:\n{log0}\nrank 1:\n{log1}");
+        if steps == "2" {
+            assert!(
+                log0.contains("refused a connection") && log0.contains("wrong cluster token"),
+                "{log0}"
+            );
+        }
         if steps == "4" {
             assert!(log0.contains("resuming from") && log1.contains("resuming from"));
         }
@@ -540,7 +600,7 @@ fn two_nodes_equal_one_node_with_all_replicas_and_a_lost_node_ends_the_run() {
     assert!(log.contains("exchange with node 1"), "{log}");
 
     // a node whose coordinator never comes up gives up after the timeout, naming it
-    let coordinator = format!("ws://127.0.0.1:{}", free_port());
+    let coordinator = format!("tcp://127.0.0.1:{}", free_port());
     let lone = train_process(
         &config_file,
         &runs.path().join("lone"),
@@ -555,6 +615,8 @@ fn two_nodes_equal_one_node_with_all_replicas_and_a_lost_node_ends_the_run() {
             &coordinator,
             "--node-timeout",
             "2",
+            "--cluster-token",
+            TOKEN,
         ],
     )
     .spawn()

@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use model::config::MinerLossType;
+use train::config::pipeline::{import, import_text};
 use train::config::{LearningRate, OptimizerConfig, TrainConfig};
-use train::pipeline_config::{import, import_text};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")

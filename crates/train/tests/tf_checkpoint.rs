@@ -233,7 +233,7 @@ fn pipeline_with(settings: &str, classes: usize) -> TrainConfig {
         .replace("from_detection_checkpoint: true", settings)
         .replace("num_classes: 37", &format!("num_classes: {classes}"));
     assert!(text.contains(settings));
-    train::pipeline_config::import_text(&text).unwrap().config
+    train::config::pipeline::import_text(&text).unwrap().config
 }
 
 fn fine_tuned(config: &TrainConfig) -> (Ssd<B>, model::restore::RestoreReport) {

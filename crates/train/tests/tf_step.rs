@@ -46,7 +46,7 @@ fn step_config() -> TrainConfig {
             "TRAIN_RECORD",
             &fixtures().join("step/train.record").display().to_string(),
         );
-    let mut config = train::pipeline_config::import_text(&text).unwrap().config;
+    let mut config = train::config::pipeline::import_text(&text).unwrap().config;
     config.train.num_steps = 1;
     config.train.checkpoint_every = 1;
     config.train.log_every = 1;

@@ -1,91 +1,13 @@
-//! Running a network over an evaluation set, and the COCO JSON formats for scoring any
-//! detector's output.
+//! The COCO JSON formats (ground truth and results), for scoring any detector's output.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use burn::tensor::{Tensor, TensorData};
-use data::DetectionExample;
-use data::tfrecord::RecordIndex;
-use model::inference::postprocess;
-use model::ops::SsdBackend;
-use model::preprocess::image_to_input;
-use model::{BBox, Ssd, SsdConfig};
+use model::BBox;
 use serde_json::Value;
 
-use crate::metrics::{DetBox, GtBox, ImageResult};
-
-/// Detects on the first `max_images` records (0: all) and pairs the results with the ground
-/// truth, both in pixels of the original images.
-pub fn run_on_dataset<B: SsdBackend>(
-    net: &Ssd<B>,
-    config: &SsdConfig,
-    index: &RecordIndex,
-    max_images: usize,
-    batch_size: usize,
-    device: &B::Device,
-) -> Result<Vec<ImageResult>> {
-    let anchors = model::ssd::anchors(config);
-    let count = if max_images == 0 {
-        index.len()
-    } else {
-        max_images.min(index.len())
-    };
-    let [h, w] = config.image_size;
-    let mut results = Vec::with_capacity(count);
-    for start in (0..count).step_by(batch_size.max(1)) {
-        let end = (start + batch_size.max(1)).min(count);
-        let mut input = Vec::with_capacity((end - start) * 3 * h * w);
-        let mut truths = Vec::new();
-        for i in start..end {
-            let loc = index.location(i);
-            let example = DetectionExample::decode(&index.read(i)?).with_context(|| {
-                format!(
-                    "{} record at byte {}",
-                    index.files()[loc.file].display(),
-                    loc.offset
-                )
-            })?;
-            let image = image::load_from_memory(&example.encoded).with_context(|| {
-                format!(
-                    "{} record at byte {}: image",
-                    index.files()[loc.file].display(),
-                    loc.offset
-                )
-            })?;
-            image_to_input(&image, h, w, &mut input)?;
-            let (ih, iw) = (image.height(), image.width());
-            let gts = example
-                .objects
-                .iter()
-                .map(|o| GtBox {
-                    bbox: o.bbox.to_pixels(ih, iw),
-                    class_id: o.label.max(0) as usize,
-                    difficult: o.difficult,
-                })
-                .collect::<Vec<_>>();
-            truths.push((gts, ih, iw));
-        }
-        let tensor =
-            Tensor::<B, 4>::from_data(TensorData::new(input, [end - start, 3, h, w]), device);
-        let detections = postprocess(config, &anchors, &net.forward(tensor));
-        for (dets, (gts, ih, iw)) in detections.into_iter().zip(truths) {
-            results.push(ImageResult {
-                ground_truth: gts,
-                detections: dets
-                    .into_iter()
-                    .map(|d| DetBox {
-                        bbox: d.bbox.to_pixels(ih, iw),
-                        class_id: d.class_index + 1,
-                        score: d.score,
-                    })
-                    .collect(),
-            });
-        }
-    }
-    Ok(results)
-}
+use super::metrics::{DetBox, GtBox, ImageResult};
 
 fn bbox_from(v: &Value, what: &str) -> Result<BBox> {
     let a: Vec<f32> = v

@@ -16,6 +16,8 @@ use model::ops::{RmsPropStep, SsdBackend, rmsprop_update};
 
 use crate::config::OptimizerConfig;
 
+pub mod ema;
+
 /// The update rule and its constants.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum TfOptimizer {

@@ -1,4 +1,4 @@
-//! Pixel drawing shared by `detect` and the charts: filled rectangles, lines and 8x8 text.
+//! Pixel drawing for `detect` and the evaluation images: filled rectangles and 8x8 text.
 
 use font8x8::{BASIC_FONTS, UnicodeFonts};
 use image::{Rgb, RgbImage};
@@ -26,16 +26,5 @@ pub fn draw_text(image: &mut RgbImage, text: &str, x: i64, y: i64, scale: i64, c
                 }
             }
         }
-    }
-}
-
-/// A 2-pixel line from `a` to `b`.
-pub fn line(image: &mut RgbImage, a: (f64, f64), b: (f64, f64), colour: Rgb<u8>) {
-    let steps = (b.0 - a.0).abs().max((b.1 - a.1).abs()).ceil().max(1.0) as usize;
-    for i in 0..=steps {
-        let t = i as f64 / steps as f64;
-        let (x, y) = (a.0 + (b.0 - a.0) * t, a.1 + (b.1 - a.1) * t);
-        let (x, y) = (x.round() as i64, y.round() as i64);
-        fill(image, [x, y, x + 2, y + 2], colour);
     }
 }

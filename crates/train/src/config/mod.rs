@@ -1,0 +1,212 @@
+//! Training configs: JSON files ([`settings`] has the sections and their defaults), or a TF
+//! Object Detection API `pipeline.config` imported on the fly ([`pipeline`]); every value is
+//! checked before a run starts ([`validate`]).
+
+pub mod pipeline;
+mod schedule;
+pub mod settings;
+mod validate;
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+pub use settings::{
+    DataSettings, EvalSettings, LearningRate, OptimizerConfig, TrainConfig, TrainSettings,
+};
+
+impl TrainConfig {
+    /// Reads and validates a JSON config, or imports a TF Object Detection API
+    /// `pipeline.config` (a `.config` file; each note of the import is printed to stderr).
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.extension().is_some_and(|e| e == "config") {
+            let imported = pipeline::import(path)?;
+            for note in &imported.notes {
+                eprintln!("note: {}: {note}", path.display());
+            }
+            return Ok(imported.config);
+        }
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config {}", path.display()))?;
+        let config: Self =
+            serde_json::from_str(&text).with_context(|| format!("config {}", path.display()))?;
+        config
+            .validate()
+            .with_context(|| format!("config {}", path.display()))?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exponential_decay_staircase() {
+        let lr = LearningRate::ExponentialDecay {
+            initial_learning_rate: 0.004,
+            decay_steps: 800_720,
+            decay_factor: 0.95,
+            staircase: true,
+            burnin_learning_rate: 0.0,
+            burnin_steps: 0,
+            min_learning_rate: 0.0,
+        };
+        assert_eq!(lr.at(0), 0.004);
+        assert_eq!(lr.at(800_719), 0.004);
+        assert!((lr.at(800_720) - 0.0038).abs() < 1e-12);
+        assert!((lr.at(2 * 800_720 + 5) - 0.004 * 0.9025).abs() < 1e-12);
+        let smooth = LearningRate::ExponentialDecay {
+            initial_learning_rate: 1.0,
+            decay_steps: 10,
+            decay_factor: 0.5,
+            staircase: false,
+            burnin_learning_rate: 0.1,
+            burnin_steps: 5,
+            min_learning_rate: 0.3,
+        };
+        assert_eq!(smooth.at(4), 0.1); // burn-in
+        assert!((smooth.at(10) - 0.5f64.powf(0.5)).abs() < 1e-12); // (10 - 5) / 10
+        assert_eq!(smooth.at(1000), 0.3); // floor at min_learning_rate
+    }
+
+    #[test]
+    fn cosine_decay_with_warmup_and_hold() {
+        let lr = LearningRate::CosineDecay {
+            learning_rate_base: 1.0,
+            total_steps: 120,
+            warmup_learning_rate: 0.1,
+            warmup_steps: 10,
+            hold_base_rate_steps: 10,
+        };
+        assert!((lr.at(0) - 0.1).abs() < 1e-12);
+        assert!((lr.at(5) - (0.09 * 5.0 + 0.1)).abs() < 1e-12);
+        assert_eq!(lr.at(15), 1.0); // hold
+        assert_eq!(lr.at(20), 1.0);
+        // halfway through the cosine part: 0.5 * (1 + cos(pi / 2)) = 0.5
+        assert!((lr.at(70) - 0.5).abs() < 1e-12);
+        assert!(lr.at(120).abs() < 1e-12);
+        assert_eq!(lr.at(121), 0.0);
+    }
+
+    #[test]
+    fn manual_step_and_constant() {
+        let lr = LearningRate::ManualStep {
+            initial_learning_rate: 0.01,
+            schedule: vec![(100, 0.001), (200, 0.0001)],
+        };
+        assert_eq!(lr.at(99), 0.01);
+        assert_eq!(lr.at(100), 0.001);
+        assert_eq!(lr.at(250), 0.0001);
+        assert_eq!(LearningRate::Constant { learning_rate: 0.2 }.at(7), 0.2);
+    }
+
+    #[test]
+    fn shipped_configs_are_valid_and_unknown_fields_rejected() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        for name in [
+            "synthetic.json",
+            "ssd_mobilenet_v1_pets.json",
+            "ssd_mobilenet_v1_catdog.json",
+        ] {
+            TrainConfig::load(&dir.join(name)).unwrap();
+        }
+        let text = std::fs::read_to_string(dir.join("synthetic.json")).unwrap();
+        let bad = text.replacen("\"batch_size\"", "\"batch_sise\"", 1);
+        let err = serde_json::from_str::<TrainConfig>(&bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("batch_sise"), "{err}");
+    }
+
+    #[test]
+    fn zero_steps_zero_log_interval_and_negative_rates_are_refused() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let good = TrainConfig::load(&dir.join("synthetic.json")).unwrap();
+        let refused = |edit: &dyn Fn(&mut TrainConfig), field: &str| {
+            let mut c = good.clone();
+            edit(&mut c);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{err}");
+        };
+        refused(
+            &|c| c.train.num_steps = 0,
+            "`train.num_steps` must be at least 1, got 0",
+        );
+        refused(
+            &|c| c.train.log_every = 0,
+            "`train.log_every` must be at least 1, got 0",
+        );
+        let rates = [
+            LearningRate::Constant {
+                learning_rate: -0.1,
+            },
+            LearningRate::Constant {
+                learning_rate: f64::NAN,
+            },
+            LearningRate::ManualStep {
+                initial_learning_rate: 0.1,
+                schedule: vec![(10, -0.01)],
+            },
+        ];
+        for rate in rates {
+            let rate = &rate;
+            refused(
+                &|c| {
+                    c.train.optimizer = OptimizerConfig::Momentum {
+                        learning_rate: rate.clone(),
+                        momentum: 0.9,
+                    }
+                },
+                "`train.optimizer.learning_rate` is invalid",
+            );
+        }
+    }
+
+    #[test]
+    fn empty_or_inverted_augmentation_ranges_are_refused_with_the_step() {
+        use data::augment::{Augmentation, default_ssd_crop_operations};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut c = TrainConfig::load(&dir.join("synthetic.json")).unwrap();
+        c.data.augmentation = vec![
+            Augmentation::RandomHorizontalFlip,
+            Augmentation::SsdRandomCrop {
+                operations: default_ssd_crop_operations(),
+            },
+        ];
+        c.validate().unwrap();
+        let cases = [
+            (
+                Augmentation::RandomAdjustContrast {
+                    min_delta: 1.25,
+                    max_delta: 0.8,
+                },
+                "`data.augmentation[2].min_delta..max_delta`: [1.25, 0.8]",
+            ),
+            (
+                Augmentation::RandomAdjustBrightness {
+                    max_delta: f32::NAN,
+                },
+                "`data.augmentation[2].max_delta`: [0, NaN]",
+            ),
+            (
+                Augmentation::RandomPadImage { max_scale: 0.5 },
+                "`data.augmentation[2].max_scale`: [1, 0.5]",
+            ),
+        ];
+        for (step, message) in cases {
+            let mut bad = c.clone();
+            bad.data.augmentation.push(step);
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains(message), "{err}");
+        }
+        let mut ops = default_ssd_crop_operations();
+        ops[1].area_range = [0.5, 0.1];
+        c.data.augmentation[1] = Augmentation::SsdRandomCrop { operations: ops };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`data.augmentation[1].operations[1].area_range`: [0.5, 0.1]"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,186 @@
+//! Checking every value of a training config before anything runs; each error names the
+//! field, the value and what is allowed.
+
+use anyhow::{Result, bail};
+
+use data::augment::{Augmentation, CropOperation};
+
+use super::settings::{LearningRate, OptimizerConfig, TrainConfig};
+
+impl TrainConfig {
+    /// Checks every value; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        let t = &self.train;
+        if t.batch_size == 0 {
+            bail!("`train.batch_size` must be at least 1");
+        }
+        if let Some(d) = t.moving_average_decay
+            && !(0.0..1.0).contains(&d)
+        {
+            bail!("`train.moving_average_decay` must be in [0, 1), got {d}");
+        }
+        if let Some(n) = t.gradient_clipping_by_norm
+            && !(n.is_finite() && n > 0.0)
+        {
+            bail!("`train.gradient_clipping_by_norm` must be positive, got {n}");
+        }
+        if t.num_steps == 0 {
+            bail!("`train.num_steps` must be at least 1, got 0");
+        }
+        if t.log_every == 0 {
+            bail!("`train.log_every` must be at least 1, got 0");
+        }
+        if t.checkpoint_every == 0 {
+            bail!("`train.checkpoint_every` must be at least 1");
+        }
+        if t.keep_checkpoints == 0 {
+            bail!("`train.keep_checkpoints` must be at least 1");
+        }
+        match &t.optimizer {
+            OptimizerConfig::RmsProp {
+                momentum,
+                decay,
+                epsilon,
+                ..
+            } => {
+                if !(0.0..1.0).contains(momentum)
+                    || !(0.0..1.0).contains(decay)
+                    || epsilon.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+                {
+                    bail!(
+                        "`train.optimizer.rms_prop`: momentum and decay must be in [0, 1), epsilon positive"
+                    );
+                }
+            }
+            OptimizerConfig::Momentum { momentum, .. } => {
+                if !(0.0..1.0).contains(momentum) {
+                    bail!("`train.optimizer.momentum.momentum` must be in [0, 1)");
+                }
+            }
+            OptimizerConfig::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                ..
+            } => {
+                if !(0.0..1.0).contains(beta1)
+                    || !(0.0..1.0).contains(beta2)
+                    || epsilon.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+                {
+                    bail!("`train.optimizer.adam`: betas must be in [0, 1), epsilon positive");
+                }
+            }
+        }
+        self.train.optimizer.learning_rate().validate()?;
+        validate_augmentation(&self.data.augmentation)?;
+        if self.data.train.is_empty() {
+            bail!("`data.train` must name at least one TFRecord file or pattern");
+        }
+        if self.eval.batch_size == 0 {
+            bail!("`eval.batch_size` must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+impl LearningRate {
+    fn validate(&self) -> Result<()> {
+        let ok = match self {
+            Self::Constant { learning_rate } => *learning_rate >= 0.0,
+            Self::ExponentialDecay {
+                initial_learning_rate,
+                decay_steps,
+                decay_factor,
+                ..
+            } => *initial_learning_rate >= 0.0 && *decay_steps > 0 && *decay_factor > 0.0,
+            Self::CosineDecay {
+                learning_rate_base,
+                total_steps,
+                warmup_steps,
+                hold_base_rate_steps,
+                warmup_learning_rate,
+            } => {
+                *learning_rate_base >= 0.0
+                    && *total_steps > warmup_steps + hold_base_rate_steps
+                    && warmup_learning_rate <= learning_rate_base
+            }
+            Self::ManualStep {
+                initial_learning_rate,
+                schedule,
+            } => {
+                *initial_learning_rate >= 0.0
+                    && schedule.iter().all(|(_, rate)| *rate >= 0.0)
+                    && schedule.windows(2).all(|w| w[0].0 < w[1].0)
+            }
+        };
+        if ok {
+            Ok(())
+        } else {
+            bail!("`train.optimizer.learning_rate` is invalid: {self:?}")
+        }
+    }
+}
+
+/// Every augmentation step's ranges: finite, ordered, and inside what the step can do (an
+/// empty or inverted range would otherwise fail inside a loader thread).
+fn validate_augmentation(steps: &[Augmentation]) -> Result<()> {
+    for (i, step) in steps.iter().enumerate() {
+        let field = format!("data.augmentation[{i}]");
+        match step {
+            Augmentation::RandomHorizontalFlip => {}
+            Augmentation::RandomAdjustBrightness { max_delta } => {
+                check_range(&field, "max_delta", [0.0, *max_delta], [0.0, 1.0])?
+            }
+            Augmentation::RandomAdjustContrast {
+                min_delta,
+                max_delta,
+            }
+            | Augmentation::RandomAdjustSaturation {
+                min_delta,
+                max_delta,
+            } => check_range(
+                &field,
+                "min_delta..max_delta",
+                [*min_delta, *max_delta],
+                [0.0, f32::MAX],
+            )?,
+            Augmentation::RandomPadImage { max_scale } => {
+                check_range(&field, "max_scale", [1.0, *max_scale], [1.0, f32::MAX])?
+            }
+            Augmentation::SsdRandomCrop { operations } => {
+                for (j, op) in operations.iter().enumerate() {
+                    validate_crop(&format!("{field}.operations[{j}]"), op)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn validate_crop(field: &str, op: &CropOperation) -> Result<()> {
+    let unit = [0.0, 1.0];
+    check_range(
+        field,
+        "min_object_covered",
+        [0.0, op.min_object_covered],
+        unit,
+    )?;
+    check_range(
+        field,
+        "aspect_ratio_range",
+        op.aspect_ratio_range,
+        [f32::MIN_POSITIVE, f32::MAX],
+    )?;
+    check_range(field, "area_range", op.area_range, [f32::MIN_POSITIVE, 1.0])?;
+    check_range(field, "overlap_thresh", [0.0, op.overlap_thresh], unit)?;
+    check_range(field, "random_coef", [0.0, op.random_coef], unit)
+}
+
+/// `[lo, hi]` must be finite, `lo <= hi`, and inside `[min, max]`.
+fn check_range(field: &str, name: &str, [lo, hi]: [f32; 2], [min, max]: [f32; 2]) -> Result<()> {
+    if !(lo.is_finite() && hi.is_finite() && min <= lo && lo <= hi && hi <= max) {
+        bail!("`{field}.{name}`: [{lo}, {hi}] is not a range within [{min}, {max}]");
+    }
+    Ok(())
+}

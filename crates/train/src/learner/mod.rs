@@ -1,0 +1,493 @@
+//! The data-parallel learner: one replica per device (or several on the CPU), each a thread
+//! holding a copy of the network made from one record, taking a disjoint slice of every global
+//! batch; gradients are averaged by a bucketed all-reduce so the replicas stay identical.
+//!
+//! [`train`] reads top-down: the run's setup, the starting point ([`start`]), the gradient
+//! exchange, the replica pool ([`pool`], each replica in [`replica`]), then the steps, each
+//! logged ([`run_log`]), checkpointed ([`checkpointing`]) and evaluated ([`evaluation`]) when
+//! due, and the summary.
+
+mod batches;
+mod checkpointing;
+mod evaluation;
+mod pool;
+mod replica;
+mod run_log;
+mod start;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use data::loader::{Loader, LoaderConfig, Position};
+use data::shards::expand_patterns;
+use data::tfrecord::RecordIndex;
+use model::ops::SsdBackend;
+
+use self::batches::Batches;
+use self::checkpointing::{RunState, Saved};
+use self::pool::{Blueprint, ReplicaPool};
+pub use self::replica::LossValues;
+use self::run_log::{RunLog, StepRecord};
+use crate::checkpoint;
+use crate::config::TrainConfig;
+use crate::eval::Metrics;
+use crate::sync::{Bucketing, Cluster, GradientSync, InProcessAllReduce, TcpExchange};
+
+/// How a run is driven.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Checkpoints, metrics and evaluations go here; an existing checkpoint is resumed.
+    pub model_dir: PathBuf,
+    /// Set (e.g. by Ctrl-C) to checkpoint and stop after the current step.
+    pub stop: Arc<AtomicBool>,
+    /// Print progress lines.
+    pub verbose: bool,
+    /// This process's place in a multi-node run; `None` trains on this machine alone.
+    pub cluster: Option<Cluster>,
+    /// For benchmarks: every step trains on the first batch again, and the data loader stops
+    /// once it has made that batch, so the steps run without the data pipeline beside them
+    /// (checkpoints then record the position after the first batch).
+    pub repeat_first_batch: bool,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    /// Step reached.
+    pub step: u64,
+    /// Steps taken by this run (not counting resumed ones).
+    pub steps_this_run: u64,
+    /// Loss of the last step.
+    pub last_loss: LossValues,
+    /// Training images per second over the run.
+    pub images_per_sec: f64,
+    /// Seconds spent in gradient synchronisation, summed over steps (mean over replicas).
+    pub sync_seconds: f64,
+    /// Wall time of each step of this run (waiting for its batch included).
+    pub step_seconds: Vec<f64>,
+    /// Seconds the steps spent waiting for the data loader, summed.
+    pub data_wait_seconds: f64,
+    /// Wall time of the run.
+    pub seconds: f64,
+    /// The last evaluation.
+    pub metrics: Option<Metrics>,
+    /// The last checkpoint.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// Trains `config` on `devices` (one replica each; repeat a device for several replicas).
+pub fn train<B: SsdBackend>(
+    config: &TrainConfig,
+    devices: &[B::Device],
+    options: &RunOptions,
+) -> Result<RunSummary> {
+    let shape = RunShape::of(devices.len(), options.cluster.as_ref(), config)?;
+    std::fs::create_dir_all(&options.model_dir)
+        .with_context(|| format!("creating {}", options.model_dir.display()))?;
+    let log = RunLog::open(&options.model_dir, shape.leader(), options.verbose)?;
+    let (index, eval_index) = record_indexes(config)?;
+    log.say(format!(
+        "{} training records in {} files; global batch {} = {} node(s) x {} replica(s) x {}",
+        index.len(),
+        index.files().len(),
+        config.train.batch_size,
+        shape.nodes,
+        shape.replicas,
+        config.train.batch_size / shape.replicas / shape.nodes
+    ));
+    let start = start::starting_point::<B>(config, &options.model_dir, &devices[0], &log)?;
+    let fingerprint = run_fingerprint(config, &index)?;
+    let sync = connect::<B>(options.cluster.as_ref(), shape.replicas, &fingerprint, &log)?;
+    let pool = ReplicaPool::start(
+        devices,
+        &Blueprint {
+            config: &Arc::new(config.clone()),
+            start: &start,
+            anchors: &Arc::new(model::ssd::anchors(&config.model)),
+            sync: &sync,
+            bucketing: Bucketing::for_replicas(devices, options.cluster.is_some()),
+        },
+    )?;
+    let loader = Loader::new(
+        Arc::new(index),
+        loader_config(config, &shape),
+        start.position,
+    )?;
+    let batches = Batches::Loader {
+        loader,
+        repeat_first: options.repeat_first_batch,
+    };
+    // every replica of every node joins the exchange and checks it starts where the others do
+    pool.join(start.step)?;
+    let progress = Progress::at(start.step, start.position, config);
+    let parts = (pool, batches, log);
+    let mut run = Run::new(config, options, devices, shape, parts, eval_index, progress);
+    run.train()?;
+    run.finish()
+}
+
+/// How many replicas and machines take part, and which one this process is.
+struct RunShape {
+    replicas: usize,
+    nodes: usize,
+    rank: usize,
+}
+
+impl RunShape {
+    fn of(replicas: usize, cluster: Option<&Cluster>, config: &TrainConfig) -> Result<Self> {
+        if replicas == 0 {
+            bail!("no device to train on");
+        }
+        let (nodes, rank) = cluster.map_or((1, 0), |c| (c.nodes, c.rank));
+        let batch_size = config.train.batch_size;
+        if !batch_size.is_multiple_of(replicas * nodes) {
+            bail!(
+                "`train.batch_size` {batch_size} does not split evenly over {} replicas",
+                replicas * nodes
+            );
+        }
+        Ok(Self {
+            replicas,
+            nodes,
+            rank,
+        })
+    }
+
+    /// Rank 0 writes checkpoints, metrics and events, and evaluates.
+    fn leader(&self) -> bool {
+        self.rank == 0
+    }
+
+    fn total_replicas(&self) -> usize {
+        self.replicas * self.nodes
+    }
+}
+
+/// The training records and, when the config names any, the evaluation records.
+fn record_indexes(config: &TrainConfig) -> Result<(RecordIndex, Option<RecordIndex>)> {
+    let train_files = expand_patterns(&config.data.train).context("training data")?;
+    let index = RecordIndex::build(&train_files)?;
+    let eval_index = match config.data.eval.is_empty() {
+        true => None,
+        false => Some(RecordIndex::build(
+            &expand_patterns(&config.data.eval).context("evaluation data")?,
+        )?),
+    };
+    Ok((index, eval_index))
+}
+
+/// The gradient exchange: between this process's replicas, and over the machines of a
+/// multi-node run.
+fn connect<B: SsdBackend>(
+    cluster: Option<&Cluster>,
+    replicas: usize,
+    fingerprint: &str,
+    log: &RunLog,
+) -> Result<Arc<dyn GradientSync<B>>> {
+    let Some(cluster) = cluster else {
+        return Ok(Arc::new(InProcessAllReduce::<B>::new(replicas)));
+    };
+    let (rank, nodes) = (cluster.rank, cluster.nodes);
+    log.say(format!(
+        "node {rank} of {nodes}: connecting through {}",
+        cluster.coordinator
+    ));
+    let exchange = TcpExchange::connect(cluster, replicas, fingerprint)?;
+    log.say(format!("node {rank} of {nodes}: all nodes connected"));
+    Ok(Arc::new(InProcessAllReduce::<B>::across_nodes(
+        replicas,
+        Arc::new(exchange),
+    )))
+}
+
+/// What every node of a multi-node run must share, hashed: the config and the training
+/// records (each file's name and size, the record count).
+fn run_fingerprint(config: &TrainConfig, index: &RecordIndex) -> Result<String> {
+    let mut text = serde_json::to_string(config)?;
+    for file in index.files() {
+        let size = std::fs::metadata(file).map_or(0, |m| m.len());
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+        text += &format!("\n{} {size}", name.unwrap_or_default());
+    }
+    text += &format!("\n{} records", index.len());
+    Ok(data::example::sha256_hex(text.as_bytes()))
+}
+
+fn loader_config(config: &TrainConfig, shape: &RunShape) -> LoaderConfig {
+    LoaderConfig {
+        batch_size: config.train.batch_size,
+        image_size: config.model.image_size,
+        augmentations: config.data.augmentation.clone(),
+        shuffle: true,
+        seed: config.train.seed,
+        workers: match config.data.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        },
+        prefetch: config.data.prefetch,
+        share: (shape.rank, shape.nodes),
+    }
+}
+
+/// Where the run stands.
+struct Progress {
+    step: u64,
+    first_step: u64,
+    position: Position,
+    learning_rate: f64,
+    /// A stop request (Ctrl-C on any machine) travels with a step's exchange, so every
+    /// machine stops after the same step.
+    stopping: bool,
+}
+
+impl Progress {
+    fn at(step: u64, position: Position, config: &TrainConfig) -> Self {
+        Self {
+            step,
+            first_step: step,
+            position,
+            learning_rate: config.train.optimizer.learning_rate().at(step),
+            stopping: false,
+        }
+    }
+}
+
+/// Time spent, for the progress lines and the summary.
+struct Timing {
+    run_start: Instant,
+    /// Start and steps of the window the next progress line reports.
+    window: (Instant, u64),
+    sync_seconds: f64,
+    step_seconds: Vec<f64>,
+    data_wait_seconds: f64,
+}
+
+/// The latest of what the run produced.
+struct Latest<B: SsdBackend> {
+    loss: LossValues,
+    saved: Option<Saved<B>>,
+    metrics: Option<Metrics>,
+    /// Steps of the last snapshot and evaluation (a step gets at most one of each).
+    snapshot_step: Option<u64>,
+    evaluated_step: Option<u64>,
+}
+
+/// A run in progress.
+struct Run<'a, B: SsdBackend> {
+    config: &'a TrainConfig,
+    options: &'a RunOptions,
+    devices: &'a [B::Device],
+    shape: RunShape,
+    pool: ReplicaPool<B>,
+    batches: Batches,
+    log: RunLog,
+    eval_index: Option<RecordIndex>,
+    progress: Progress,
+    timing: Timing,
+    latest: Latest<B>,
+}
+
+impl<'a, B: SsdBackend> Run<'a, B> {
+    fn new(
+        config: &'a TrainConfig,
+        options: &'a RunOptions,
+        devices: &'a [B::Device],
+        shape: RunShape,
+        (pool, batches, log): (ReplicaPool<B>, Batches, RunLog),
+        eval_index: Option<RecordIndex>,
+        progress: Progress,
+    ) -> Self {
+        Self {
+            config,
+            options,
+            devices,
+            shape,
+            pool,
+            batches,
+            log,
+            eval_index,
+            progress,
+            timing: Timing {
+                run_start: Instant::now(),
+                window: (Instant::now(), 0),
+                sync_seconds: 0.0,
+                step_seconds: Vec::new(),
+                data_wait_seconds: 0.0,
+            },
+            latest: Latest {
+                loss: LossValues::default(),
+                saved: None,
+                metrics: None,
+                snapshot_step: None,
+                evaluated_step: None,
+            },
+        }
+    }
+
+    /// Steps until `num_steps` or a stop request, logging, checkpointing and evaluating on
+    /// the configured steps.
+    fn train(&mut self) -> Result<()> {
+        let train = &self.config.train;
+        while self.progress.step < train.num_steps && !self.progress.stopping {
+            let loss = self.step()?;
+            let step = self.progress.step;
+            if step.is_multiple_of(train.log_every) || step == train.num_steps {
+                self.log_step(loss)?;
+            }
+            let eval_due =
+                self.config.eval.every > 0 && step.is_multiple_of(self.config.eval.every);
+            if step.is_multiple_of(train.checkpoint_every) || eval_due {
+                self.checkpoint()?;
+            }
+            if eval_due {
+                self.evaluate()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of every replica on its part of the next batch.
+    fn step(&mut self) -> Result<LossValues> {
+        let step_start = Instant::now();
+        let batch = self.batches.next()?;
+        self.timing.data_wait_seconds += step_start.elapsed().as_secs_f64();
+        let p = &mut self.progress;
+        p.position = batch.next_position;
+        p.learning_rate = self.config.train.optimizer.learning_rate().at(p.step);
+        let stop = self.options.stop.load(Ordering::Relaxed);
+        let parts = batch.split(self.shape.replicas);
+        let outcome = self.pool.step(parts, p.learning_rate, p.step, stop)?;
+        let loss = outcome.loss;
+        if !loss.total.is_finite() {
+            let kept = checkpoint::latest(&self.options.model_dir)?
+                .map_or("none".into(), |p| p.display().to_string());
+            bail!(
+                "the loss is {} at step {} (classification {}, localization {}); stopped, last good checkpoint: {kept}",
+                loss.total,
+                p.step,
+                loss.classification,
+                loss.localization
+            );
+        }
+        p.stopping |= outcome.stop;
+        p.step += 1;
+        self.timing.sync_seconds += outcome.sync_seconds;
+        self.timing
+            .step_seconds
+            .push(step_start.elapsed().as_secs_f64());
+        self.timing.window.1 += 1;
+        self.latest.loss = loss;
+        Ok(loss)
+    }
+
+    /// The progress line and records of the step just taken, over the window since the
+    /// last one.
+    fn log_step(&mut self, loss: LossValues) -> Result<()> {
+        let (since, steps) = self.timing.window;
+        let secs = since.elapsed().as_secs_f64();
+        let num_steps = self.config.train.num_steps;
+        let step = self.progress.step;
+        self.log.step(&StepRecord {
+            step,
+            num_steps,
+            loss,
+            learning_rate: self.progress.learning_rate,
+            images_per_sec: (steps as usize * self.config.train.batch_size) as f64 / secs.max(1e-9),
+            eta_seconds: (num_steps - step) as f64 * secs / steps as f64,
+            seconds: self.timing.run_start.elapsed().as_secs_f64(),
+        })?;
+        self.timing.window = (Instant::now(), 0);
+        Ok(())
+    }
+
+    /// Averages the BatchNorm statistics over all replicas, then (on the leader) writes the
+    /// first replica's state as a checkpoint.
+    fn checkpoint(&mut self) -> Result<()> {
+        let step = self.progress.step;
+        self.latest.snapshot_step = Some(step);
+        if self.shape.total_replicas() > 1 {
+            self.pool.average_bn_stats()?;
+        }
+        if !self.shape.leader() {
+            return Ok(());
+        }
+        let snapshot = self.pool.snapshot(step)?;
+        let state = RunState {
+            step,
+            position: self.progress.position,
+            learning_rate: self.progress.learning_rate,
+            replicas: self.shape.replicas,
+        };
+        let saved = checkpointing::save(
+            self.config,
+            &self.options.model_dir,
+            snapshot,
+            state,
+            &self.devices[0],
+        )?;
+        self.log.say(format!("checkpoint {}", saved.dir.display()));
+        self.latest.saved = Some(saved);
+        Ok(())
+    }
+
+    /// Evaluates the last checkpoint (its EMA weights when present) where there is
+    /// evaluation data (on the leader), and records the metrics.
+    fn evaluate(&mut self) -> Result<()> {
+        self.latest.evaluated_step = Some(self.progress.step);
+        let (Some(index), Some(saved)) = (&self.eval_index, &self.latest.saved) else {
+            self.latest.metrics = None;
+            return Ok(());
+        };
+        let (metrics, drawn) =
+            evaluation::evaluate_net(saved.evaluated(), self.config, index, &self.devices[0])?;
+        self.log.evaluation(saved.step, &metrics, &drawn)?;
+        self.latest.metrics = Some(metrics);
+        Ok(())
+    }
+
+    /// The end of the run (or a stop request): a checkpoint and, unless interrupted, a final
+    /// evaluation, each unless this step already has one; the charts; the summary.
+    fn finish(mut self) -> Result<RunSummary> {
+        let step = self.progress.step;
+        let trained = step > self.progress.first_step;
+        if trained && self.latest.snapshot_step != Some(step) {
+            self.checkpoint()?;
+        }
+        if trained && self.latest.evaluated_step != Some(step) && !self.progress.stopping {
+            self.evaluate()?;
+        }
+        self.pool.shut_down();
+        if trained && self.shape.leader() {
+            write_charts(&self.log, &self.options.model_dir);
+        }
+        let seconds = self.timing.run_start.elapsed().as_secs_f64();
+        let steps_this_run = step - self.progress.first_step;
+        Ok(RunSummary {
+            step,
+            steps_this_run,
+            last_loss: self.latest.loss,
+            images_per_sec: (steps_this_run as usize * self.config.train.batch_size) as f64
+                / seconds.max(1e-9),
+            sync_seconds: self.timing.sync_seconds,
+            step_seconds: self.timing.step_seconds,
+            data_wait_seconds: self.timing.data_wait_seconds,
+            seconds,
+            metrics: self.latest.metrics,
+            checkpoint: self.latest.saved.map(|s| s.dir),
+        })
+    }
+}
+
+/// The run's charts from its metrics log; a failure is only reported (the run succeeded).
+fn write_charts(log: &RunLog, dir: &std::path::Path) {
+    match crate::report::charts::write_charts(dir) {
+        Ok(_) => log.say(format!(
+            "charts: loss.png, learning_rate.png, eval.png in {}",
+            dir.display()
+        )),
+        Err(e) => log.say(format!("warning: no charts: {e:#}")),
+    }
+}

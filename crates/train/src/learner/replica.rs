@@ -1,0 +1,324 @@
+//! One replica: a thread holding a copy of the network, its optimizer state and (on the
+//! first replica) the weight EMA, that takes its slice of every batch and answers the
+//! [`Command`]s of the pool. A step is: this replica's gradients, their mean over all replicas
+//! through the [`GradientSync`], the clipped update and the EMA.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::Instant;
+
+use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use data::loader::Batch;
+use model::loss::compute_loss;
+use model::ops::SsdBackend;
+use model::targets::assign_targets;
+use model::weights::weights_to_bytes;
+use model::{BBox, Ssd};
+use serde::Serialize;
+
+use crate::config::TrainConfig;
+use crate::optim::ema::Ema;
+use crate::optim::{TfOptimizer, clip_by_global_norm};
+use crate::sync::{
+    Bucketing, GradientSync, bn_stats_flat, flatten_gradients, set_bn_stats_flat,
+    unflatten_gradients, weight_checksum,
+};
+
+pub(super) type Train<B> = Autodiff<B>;
+pub(super) type Optim<B> = OptimizerAdaptor<TfOptimizer, Ssd<Train<B>>, Train<B>>;
+pub(super) type OptimRecorder = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// The loss parts of a step, averaged over replicas.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct LossValues {
+    /// Classification loss.
+    pub classification: f32,
+    /// Localization loss.
+    pub localization: f32,
+    /// L2 regularisation.
+    pub regularization: f32,
+    /// Their sum.
+    pub total: f32,
+    /// Anchors matched to a ground-truth box, per image (the API's
+    /// `AvgNumPositiveAnchorsPerImage`); logged under `targets`, not `loss`.
+    #[serde(skip)]
+    pub matched_per_image: f32,
+    /// Negative anchors kept by hard example mining, per image.
+    #[serde(skip)]
+    pub mined_negatives_per_image: f32,
+}
+
+/// What the pool asks of a replica.
+pub(super) enum Command {
+    /// One training step on this replica's part of the batch.
+    Step {
+        batch: Batch,
+        learning_rate: f64,
+        step: u64,
+        /// This process was asked to stop (Ctrl-C) after this step.
+        stop: bool,
+    },
+    /// Check that every replica everywhere starts from the same step and weights.
+    Join { step: u64 },
+    /// Replace the BatchNorm moving statistics by their mean over all replicas.
+    AverageBnStats,
+    /// The weights, optimizer state and EMA, encoded, and the network for evaluation.
+    Snapshot,
+}
+
+/// A replica's answer to a [`Command`].
+pub(super) enum Reply<B: Backend> {
+    Stepped(Stepped),
+    Snapshot(Snapshot<B>),
+    Done,
+}
+
+/// The outcome of a step, the same on every replica.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Stepped {
+    /// The loss parts, averaged over all replicas.
+    pub loss: LossValues,
+    /// Seconds this replica spent in the exchange.
+    pub sync_seconds: f64,
+    /// Some process of the run was asked to stop: every one stops after this step.
+    pub stop: bool,
+}
+
+/// A replica's state, encoded for a checkpoint.
+pub(super) struct Snapshot<B: Backend> {
+    pub weights: Vec<u8>,
+    pub optimizer: Vec<u8>,
+    pub ema: Option<Vec<u8>>,
+    /// The network itself (inference side), for evaluation.
+    pub model: Box<Ssd<B>>,
+}
+
+/// One replica's network, optimizer and EMA, and how it reaches the others.
+pub(super) struct Replica<B: SsdBackend> {
+    pub index: usize,
+    pub device: B::Device,
+    /// The replica's network; `None` only while [`Replica::apply`] updates it.
+    pub model: Option<Ssd<Train<B>>>,
+    pub optim: Optim<B>,
+    pub ema: Option<Ema<B>>,
+    pub config: Arc<TrainConfig>,
+    pub anchors: Arc<Vec<BBox>>,
+    pub sync: Arc<dyn GradientSync<B>>,
+    /// How the gradients travel through `sync`.
+    pub bucketing: Bucketing,
+}
+
+/// The values of a small tensor, on the host.
+fn to_host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, String> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| format!("{e:?}"))
+}
+
+fn panic_message(e: Box<dyn std::any::Any + Send>) -> String {
+    e.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into())
+}
+
+impl<B: SsdBackend> Replica<B> {
+    /// One training step: this replica's gradients, their mean over all replicas, the update.
+    fn step(
+        &mut self,
+        batch: Batch,
+        learning_rate: f64,
+        step: u64,
+        stop: bool,
+    ) -> Result<Reply<B>, String> {
+        let (grads, tail) = self.gradients(batch, stop);
+        let (grads, mean, sync_seconds) = self.average(grads, tail)?;
+        self.apply(grads, learning_rate, step);
+        Ok(Reply::Stepped(Stepped {
+            loss: LossValues {
+                classification: mean[0],
+                localization: mean[1],
+                regularization: mean[2],
+                total: mean[3],
+                matched_per_image: mean[5],
+                mined_negatives_per_image: mean[6],
+            },
+            sync_seconds,
+            stop: mean[4] > 0.0,
+        }))
+    }
+
+    /// This replica's gradients and a tail of values to average with them: the loss parts,
+    /// the stop request, and the matched and mined anchors per image.
+    fn gradients(&self, batch: Batch, stop: bool) -> (GradientsParams, Tensor<B, 1>) {
+        let cfg = &self.config.model;
+        let coder = cfg.box_coder();
+        let targets: Vec<_> = batch
+            .ground_truth
+            .iter()
+            .map(|gt| assign_targets(&cfg.matcher, &coder, &self.anchors, gt))
+            .collect();
+        let images = batch.images_tensor::<Train<B>>(&self.device);
+        let loss = compute_loss(self.model(), cfg, &self.anchors, images, &targets);
+        let grads = loss.gradients(self.model());
+        let stop = Tensor::<B, 1>::from_data(
+            TensorData::new(vec![if stop { 1.0f32 } else { 0.0 }], [1]),
+            &self.device,
+        );
+        let images = targets.len().max(1) as f32;
+        let counts = Tensor::<B, 1>::from_data(
+            TensorData::new(
+                vec![
+                    loss.num_matches as f32 / images,
+                    loss.num_mined_negatives as f32 / images,
+                ],
+                [2],
+            ),
+            &self.device,
+        );
+        let tail = Tensor::cat(
+            vec![
+                loss.classification.inner(),
+                loss.localization.inner(),
+                loss.regularization.inner(),
+                loss.total.inner(),
+                stop,
+                counts,
+            ],
+            0,
+        );
+        (grads, tail)
+    }
+
+    /// The mean over all replicas of the gradients and of the tail's values (on the host),
+    /// and the seconds the exchange took. The tail rides at the end of the last bucket: its
+    /// mean comes back with the gradients, at no extra exchange or copy, so every machine
+    /// logs the same loss and stops after the same step. A lone replica keeps its own.
+    fn average(
+        &self,
+        grads: GradientsParams,
+        tail: Tensor<B, 1>,
+    ) -> Result<(GradientsParams, Vec<f32>, f64), String> {
+        if self.sync.single_replica() {
+            return Ok((grads, to_host(tail)?, 0.0));
+        }
+        let tail_len = tail.dims()[0];
+        let (layout, buckets) = flatten_gradients(self.model(), grads, Some(tail), self.bucketing);
+        let start = Instant::now();
+        let buckets = self.sync.all_reduce_mean(self.index, buckets)?;
+        let sync_seconds = start.elapsed().as_secs_f64();
+        let last = buckets.last().ok_or("the exchange returned no buckets")?;
+        let mean = to_host(last.clone().narrow(0, last.dims()[0] - tail_len, tail_len))?;
+        let grads = unflatten_gradients::<Train<B>>(&layout, buckets);
+        Ok((grads, mean, sync_seconds))
+    }
+
+    /// Clips the averaged gradients (when configured), then updates the weights and the EMA.
+    fn apply(&mut self, mut grads: GradientsParams, learning_rate: f64, step: u64) {
+        if let Some(max_norm) = self.config.train.gradient_clipping_by_norm {
+            grads = clip_by_global_norm(self.model(), grads, max_norm);
+        }
+        // taken, not cloned: holding the only reference to each weight and slot, the
+        // optimizer updates them in place (and likewise the EMA its shadow)
+        let model = self
+            .model
+            .take()
+            .expect("a replica holds its network between steps");
+        let model = self
+            .model
+            .insert(self.optim.step(learning_rate, model, grads));
+        if let Some(ema) = self.ema.take() {
+            self.ema = Some(ema.update(&model.valid(), step + 1));
+        }
+    }
+
+    fn model(&self) -> &Ssd<Train<B>> {
+        self.model
+            .as_ref()
+            .expect("a replica holds its network between steps")
+    }
+
+    fn handle(&mut self, command: Command) -> Result<Reply<B>, String> {
+        match command {
+            Command::Step {
+                batch,
+                learning_rate,
+                step,
+                stop,
+            } => self.step(batch, learning_rate, step, stop),
+            Command::Join { step } => self.join(step).map(|()| Reply::Done),
+            Command::AverageBnStats => self.average_bn_stats().map(|()| Reply::Done),
+            Command::Snapshot => self.snapshot().map(Reply::Snapshot),
+        }
+    }
+
+    /// Checks that every replica of every node starts from the same step and weights (a
+    /// node that cannot see the checkpoint would silently start afresh).
+    fn join(&self, step: u64) -> Result<(), String> {
+        let checksum = weight_checksum(&self.model().valid());
+        // small integers: their mean over identical replicas is exact in f32
+        let mine = [step as f32, (checksum % 65_536) as f32];
+        let probe = Tensor::from_data(TensorData::new(mine.to_vec(), [2]), &self.device);
+        let all = self.sync.all_reduce_mean(self.index, vec![probe])?;
+        let mean = to_host(all[0].clone())?;
+        if mine.iter().zip(&mean).all(|(a, b)| (a - b).abs() < 0.25) {
+            return Ok(());
+        }
+        Err(format!(
+            "the replicas do not start from the same point: this one is at step {step} (weights hash {}), the mean over all replicas is step {} (hash {}); every node needs the same config and model dir contents (shared storage or a copy of the latest checkpoint)",
+            mine[1], mean[0], mean[1]
+        ))
+    }
+
+    fn average_bn_stats(&self) -> Result<(), String> {
+        let flat = bn_stats_flat(&self.model().valid());
+        let mean = self
+            .sync
+            .all_reduce_mean(self.index, vec![flat])?
+            .pop()
+            .ok_or("the exchange returned nothing")?;
+        set_bn_stats_flat(self.model(), Tensor::from_inner(mean));
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Result<Snapshot<B>, String> {
+        let model = self.model().valid();
+        Ok(Snapshot {
+            weights: weights_to_bytes(&model),
+            optimizer: OptimRecorder::default()
+                .record(self.optim.to_record(), ())
+                .map_err(|e| e.to_string())?,
+            ema: self.ema.as_ref().map(|e| weights_to_bytes(e.shadow())),
+            model: Box::new(model),
+        })
+    }
+
+    /// Answers `commands` until they end or one fails (a failure, panics included, aborts
+    /// the exchange so that no other replica waits for this one).
+    pub(super) fn run(
+        mut self,
+        commands: Receiver<Command>,
+        replies: Sender<(usize, Result<Reply<B>, String>)>,
+    ) {
+        while let Ok(command) = commands.recv() {
+            let result = catch_unwind(AssertUnwindSafe(|| self.handle(command)))
+                .unwrap_or_else(|e| Err(panic_message(e)));
+            if let Err(why) = &result {
+                self.sync
+                    .abort(format!("replica {} failed: {why}", self.index));
+            }
+            let failed = result.is_err();
+            if replies.send((self.index, result)).is_err() || failed {
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! Where a run starts: resumed from the model dir's latest checkpoint (weights, optimizer
+//! slots, EMA, step and data position), or fresh weights, fine-tuned from a checkpoint when
+//! the config names one.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::backend::Backend;
+use data::loader::Position;
+use model::Ssd;
+use model::weights::load_weights;
+
+use super::replica::Train;
+use super::run_log::RunLog;
+use crate::checkpoint::{self, CheckpointState, MODEL_CONFIG_FILE};
+use crate::config::TrainConfig;
+
+/// Starting weights, optimizer state, EMA and position.
+pub(super) struct Start<B: Backend> {
+    pub model: Ssd<Train<B>>,
+    pub optimizer: Option<Vec<u8>>,
+    pub ema: Option<Ssd<B>>,
+    pub step: u64,
+    pub position: Position,
+}
+
+/// Where a run starts: the model dir's latest checkpoint, else fresh weights (restored from
+/// `train.fine_tune_checkpoint` when it names one).
+pub(super) fn starting_point<B: Backend>(
+    config: &TrainConfig,
+    model_dir: &Path,
+    device: &B::Device,
+    log: &RunLog,
+) -> Result<Start<B>> {
+    let mc = &config.model;
+    if let Some(dir) = checkpoint::latest(model_dir)? {
+        let state = checkpoint::read_state(&dir)?;
+        check_resumable(&dir, &state, config)?;
+        log.say(format!(
+            "resuming from {} (step {}, written by {} replica(s))",
+            dir.display(),
+            state.step,
+            state.replicas
+        ));
+        let model = load_weights::<Train<B>>(mc, &dir.join("model.mpk"), device)?;
+        let optimizer = Some(
+            std::fs::read(dir.join("optimizer.mpk"))
+                .with_context(|| format!("reading {}", dir.display()))?,
+        );
+        let ema = if state.has_ema {
+            Some(load_weights::<B>(mc, &dir.join("ema.mpk"), device)?)
+        } else {
+            None
+        };
+        return Ok(Start {
+            model,
+            optimizer,
+            ema,
+            step: state.step,
+            position: state.position,
+        });
+    }
+    let mut model = mc.init::<Train<B>>(config.train.seed, device)?;
+    if let Some(source) = &config.train.fine_tune_checkpoint {
+        let scope = config.train.fine_tune_restore;
+        let (restored, report) = crate::trained::fine_tune(model, mc, source, scope, device)?;
+        model = restored;
+        log.say(format!(
+            "fine-tuning from {} (restore scope `{}`)",
+            source.display(),
+            scope.name()
+        ));
+        for line in report.summary(source) {
+            log.say(line);
+        }
+    }
+    Ok(Start {
+        model,
+        optimizer: None,
+        ema: None,
+        step: 0,
+        position: Position::default(),
+    })
+}
+
+/// A checkpoint resumes only the run that wrote it: the same seed (the data order and the
+/// augmentation follow from it) and the same model config. Anything else is an error saying
+/// what to do, never a silent fresh start or a half-matching restore.
+fn check_resumable(dir: &Path, state: &CheckpointState, config: &TrainConfig) -> Result<()> {
+    let seed = config.train.seed;
+    if state.seed != seed {
+        bail!(
+            "{} was written by a run with seed {}, and this run has seed {seed}: resuming with another seed changes the data order and the augmentation. Pass --seed {} to resume it, or another --model-dir to start a new run",
+            dir.display(),
+            state.seed,
+            state.seed
+        );
+    }
+    let path = dir.join(MODEL_CONFIG_FILE);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(()); // written before checkpoints kept their config: the weights are checked on load
+    };
+    let stored: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is damaged", path.display()))?;
+    let ours = serde_json::to_value(&config.model)?;
+    let differing: Vec<&str> = ours
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, v)| stored.get(k.as_str()) != Some(*v))
+        .map(|(k, _)| k.as_str())
+        .collect();
+    if !differing.is_empty() {
+        bail!(
+            "{} was written for another model config (`model.{}` differ{}): resume it with the config it was trained with, or pass another --model-dir to start a new run",
+            dir.display(),
+            differing.join("`, `model."),
+            if differing.len() == 1 { "s" } else { "" }
+        );
+    }
+    Ok(())
+}
