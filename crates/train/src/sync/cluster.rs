@@ -409,10 +409,10 @@ impl TcpExchange {
                 run: run.to_string(),
                 token: cluster.token.clone(),
             };
-            let accepted = runtime.block_on(tokio::time::timeout(
-                timeout,
-                accept_nodes(listener, expected),
-            ));
+            // the timer is made inside the runtime (it needs its clock)
+            let accepted = runtime.block_on(async {
+                tokio::time::timeout(timeout, accept_nodes(listener, expected)).await
+            });
             match accepted {
                 Ok(peers) if peers.len() == cluster.nodes - 1 => Links::Leader(peers),
                 _ => bail!(
@@ -423,7 +423,10 @@ impl TcpExchange {
                 ),
             }
         } else {
-            match runtime.block_on(tokio::time::timeout(timeout, join(cluster, replicas, run))) {
+            let joined = runtime.block_on(async {
+                tokio::time::timeout(timeout, join(cluster, replicas, run)).await
+            });
+            match joined {
                 Ok(Ok(stream)) => Links::Follower(stream),
                 Ok(Err(e)) => bail!("node {rank}: {e}"),
                 Err(_) => bail!(
