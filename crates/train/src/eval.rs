@@ -6,8 +6,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use burn::tensor::{Tensor, TensorData};
-use data::DetectionExample;
 use data::tfrecord::RecordIndex;
+use data::validate::read_checked;
 use model::inference::postprocess;
 use model::ops::SsdBackend;
 use model::preprocess::image_to_input;
@@ -39,21 +39,8 @@ pub fn run_on_dataset<B: SsdBackend>(
         let mut input = Vec::with_capacity((end - start) * 3 * h * w);
         let mut truths = Vec::new();
         for i in start..end {
-            let loc = index.location(i);
-            let example = DetectionExample::decode(&index.read(i)?).with_context(|| {
-                format!(
-                    "{} record at byte {}",
-                    index.files()[loc.file].display(),
-                    loc.offset
-                )
-            })?;
-            let image = image::load_from_memory(&example.encoded).with_context(|| {
-                format!(
-                    "{} record at byte {}: image",
-                    index.files()[loc.file].display(),
-                    loc.offset
-                )
-            })?;
+            // a bad label, box or image is an error naming the file and the record
+            let (example, image) = read_checked(index, i, Some(config.num_classes))?;
             image_to_input(&image, h, w, &mut input)?;
             let (ih, iw) = (image.height(), image.width());
             let gts = example
@@ -61,7 +48,7 @@ pub fn run_on_dataset<B: SsdBackend>(
                 .iter()
                 .map(|o| GtBox {
                     bbox: o.bbox.to_pixels(ih, iw),
-                    class_id: o.label.max(0) as usize,
+                    class_id: o.label as usize,
                     difficult: o.difficult,
                 })
                 .collect::<Vec<_>>();

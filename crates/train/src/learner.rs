@@ -606,6 +606,7 @@ pub fn train<B: SsdBackend>(
     let loader_config = LoaderConfig {
         batch_size,
         image_size: config.model.image_size,
+        num_classes: config.model.num_classes,
         augmentations: config.data.augmentation.clone(),
         shuffle: true,
         seed: config.train.seed,
