@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
+use data::images::decode_image;
 use data::prepare::{VocOptions, is_prepared, prepare_synthetic, prepare_voc, synthetic_request};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
@@ -293,10 +294,10 @@ fn inspect(patterns: &[String]) -> Result<()> {
                 loc.offset
             )
         })?;
-        let size = image::ImageReader::new(std::io::Cursor::new(&e.encoded))
-            .with_guessed_format()
+        // decoded completely, as training does: a truncated image counts as undecodable
+        let size = decode_image(&e.encoded)
             .ok()
-            .and_then(|r| r.into_dimensions().ok());
+            .map(|(img, _)| (img.width(), img.height()));
         bad_images += usize::from(size.is_none());
         count_objects(&e, &mut counts);
         let line = json!({
