@@ -334,6 +334,7 @@ fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured>
     let config = LoaderConfig {
         batch_size: 8,
         image_size: [300, 300],
+        num_classes: data::synthetic::CLASSES.len(),
         augmentations: vec![
             Augmentation::RandomHorizontalFlip,
             Augmentation::SsdRandomCrop { operations: vec![] },

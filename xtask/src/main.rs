@@ -8,11 +8,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use data::DetectionExample;
-use data::prepare::{is_prepared, prepare_synthetic, prepare_voc, synthetic_request};
+use data::images::decode_image;
+use data::prepare::{VocOptions, is_prepared, prepare_synthetic, prepare_voc, synthetic_request};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
+use data::validate::read_checked;
 use data::voc::{ClassSource, PetLayout};
+use data::{DetectionExample, LabelMap};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
@@ -79,9 +81,18 @@ struct PrepareArgs {
     /// Class names for --from-voc.
     #[arg(long, value_enum, default_value = "species")]
     classes: Classes,
-    /// Existing TFRecord files (globs or `base@N`) to validate and index.
+    /// Existing TFRecord files (globs or `base@N`) to validate: every record's checksums,
+    /// fields, labels, boxes and image; each invalid record is listed.
     #[arg(long, num_args = 1..)]
     from_tfrecord: Vec<String>,
+    /// A label map (`.pbtxt`): with --from-voc the classes to use (every name must be in it),
+    /// with --from-tfrecord the labels allowed (up to its largest id).
+    #[arg(long)]
+    label_map: Option<PathBuf>,
+    /// --from-voc: skip (and count) images that do not decode completely and annotations that
+    /// are invalid, instead of stopping at the first.
+    #[arg(long, requires = "from_voc")]
+    skip_invalid: bool,
     /// Shards of the training split.
     #[arg(long, default_value_t = 4)]
     num_shards: usize,
@@ -147,6 +158,9 @@ fn prepare(args: PrepareArgs) -> Result<()> {
     if !args.from_tfrecord.is_empty() {
         return validate_tfrecords(&args);
     }
+    if args.from_voc.is_none() && args.label_map.is_some() {
+        bail!("--label-map needs --from-voc or --from-tfrecord (the synthetic set has its own)");
+    }
     let bar = progress(0, "preparing");
     let tick = |split: &str, n: u64| {
         bar.set_message(split.to_string());
@@ -162,8 +176,15 @@ fn prepare(args: PrepareArgs) -> Result<()> {
             .out
             .clone()
             .unwrap_or_else(|| PathBuf::from("datasets").join(name));
+        let options = VocOptions {
+            classes,
+            label_map: args.label_map.as_deref().map(LabelMap::load).transpose()?,
+            seed: args.seed,
+            num_shards: args.num_shards,
+            skip_invalid: args.skip_invalid,
+        };
         bar.set_length(PetLayout::open(root)?.names.len() as u64);
-        prepare_voc(root, &out, classes, args.seed, args.num_shards, &tick)?
+        prepare_voc(root, &out, &options, &tick)?
     } else {
         let out = args
             .out
@@ -208,24 +229,50 @@ fn prepare(args: PrepareArgs) -> Result<()> {
         println!("skipped {n}: {why}");
     }
     println!(
-        "{} images skipped; wrote {}",
+        "{} images skipped ({} without annotation, {} invalid); wrote {}",
         summary.skipped.len(),
+        summary.skipped.len() - summary.invalid,
+        summary.invalid,
         summary.out.display()
     );
     Ok(())
 }
 
+/// Checks every record as training and evaluation will, listing each invalid one; fails
+/// when any is.
 fn validate_tfrecords(args: &PrepareArgs) -> Result<()> {
     let files = expand_patterns(&args.from_tfrecord)?;
     let index = RecordIndex::build(&files)?;
+    let num_classes = match &args.label_map {
+        Some(path) => {
+            let map = LabelMap::load(path)?;
+            let max = map.items.iter().map(|it| it.id).max().unwrap_or(0);
+            Some(usize::try_from(max).context("label map ids")?)
+        }
+        None => None,
+    };
     let mut counts = BTreeMap::new();
+    let (mut invalid, mut max_label) = (0, 0);
     for i in 0..index.len() {
-        let e = DetectionExample::decode(&index.read(i)?)
-            .with_context(|| format!("{} record {i}", files[index.location(i).file].display()))?;
-        count_objects(&e, &mut counts);
+        match read_checked(&index, i, num_classes) {
+            Ok((e, _)) => {
+                count_objects(&e, &mut counts);
+                max_label = e.objects.iter().map(|o| o.label).fold(max_label, i64::max);
+            }
+            Err(e) => {
+                invalid += 1;
+                println!("invalid: {e}");
+            }
+        }
+    }
+    if invalid > 0 {
+        bail!(
+            "{invalid} of {} records are invalid (listed above); training and evaluation refuse them",
+            index.len()
+        );
     }
     println!(
-        "{} records in {} files, all checksums valid; objects {:?}",
+        "{} records in {} files, all valid; labels up to {max_label}; objects {:?}",
         index.len(),
         files.len(),
         counts
@@ -247,10 +294,10 @@ fn inspect(patterns: &[String]) -> Result<()> {
                 loc.offset
             )
         })?;
-        let size = image::ImageReader::new(std::io::Cursor::new(&e.encoded))
-            .with_guessed_format()
+        // decoded completely, as training does: a truncated image counts as undecodable
+        let size = decode_image(&e.encoded)
             .ok()
-            .and_then(|r| r.into_dimensions().ok());
+            .map(|(img, _)| (img.width(), img.height()));
         bad_images += usize::from(size.is_none());
         count_objects(&e, &mut counts);
         let line = json!({

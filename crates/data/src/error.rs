@@ -25,6 +25,18 @@ pub enum DataError {
         /// What is wrong (CRC mismatch, truncation).
         problem: String,
     },
+    /// A record of a TFRecord file holds what it should not (a bad label, box or image).
+    #[error("{path}: record {record} (byte {offset}): {problem}")]
+    Record {
+        /// The file.
+        path: PathBuf,
+        /// The record's number in the file, from 0.
+        record: usize,
+        /// Byte offset of the record's header.
+        offset: u64,
+        /// What is wrong, naming the field and the value.
+        problem: String,
+    },
     /// A record or annotation does not hold what it should.
     #[error("{path}: {problem}")]
     Invalid {

@@ -125,6 +125,15 @@ pub enum ExampleError {
     /// Required `image/encoded` is missing.
     #[error("missing feature `image/encoded`")]
     MissingImage,
+    /// Boxes without `image/object/class/label`.
+    #[error(
+        "`image/object/class/label` is missing for {boxes} box(es) (records that name classes \
+         only by `image/object/class/text` are not supported)"
+    )]
+    MissingLabels {
+        /// The number of boxes.
+        boxes: usize,
+    },
     /// Per-object lists of different lengths.
     #[error("object feature `{key}` has {got} values for {want} boxes")]
     Ragged {
@@ -216,8 +225,8 @@ impl DetectionExample {
         .encode_to_vec()
     }
 
-    /// Decodes a serialised `tf.train.Example`. Missing optional keys get defaults; per-object
-    /// keys other than the box must be absent or have one value per box.
+    /// Decodes a serialised `tf.train.Example`. Missing optional keys get defaults; boxes need
+    /// labels; other per-object keys must be absent or have one value per box.
     pub fn decode(data: &[u8]) -> Result<Self, ExampleError> {
         let example =
             proto::Example::decode(data).map_err(|e| ExampleError::Decode(e.to_string()))?;
@@ -285,6 +294,9 @@ impl DetectionExample {
         let truncated = get_ints("image/object/truncated")?;
         let views = get_bytes("image/object/view")?;
         per_object("image/object/class/text", texts.len())?;
+        if n > 0 && labels.is_empty() {
+            return Err(ExampleError::MissingLabels { boxes: n });
+        }
         per_object("image/object/class/label", labels.len())?;
         per_object("image/object/difficult", difficult.len())?;
         per_object("image/object/truncated", truncated.len())?;
@@ -296,7 +308,7 @@ impl DetectionExample {
                     .get(i)
                     .map(|t| String::from_utf8_lossy(t).into_owned())
                     .unwrap_or_default(),
-                label: labels.get(i).copied().unwrap_or(0),
+                label: labels[i],
                 difficult: difficult.get(i).is_some_and(|&d| d != 0),
                 truncated: truncated.get(i).is_some_and(|&d| d != 0),
                 view: views
@@ -439,5 +451,18 @@ mod tests {
             DetectionExample::decode(&bytes),
             Err(ExampleError::Ragged { .. })
         ));
+        // boxes without any label: an error, not objects of class 0 (the background)
+        msg.features
+            .as_mut()
+            .unwrap()
+            .feature
+            .remove("image/object/class/label");
+        let err = DetectionExample::decode(&msg.encode_to_vec()).unwrap_err();
+        assert_eq!(err, ExampleError::MissingLabels { boxes: 2 });
+        assert!(
+            err.to_string()
+                .starts_with("`image/object/class/label` is missing for 2 box(es)"),
+            "{err}"
+        );
     }
 }

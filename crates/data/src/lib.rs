@@ -5,6 +5,7 @@
 pub mod augment;
 pub mod error;
 pub mod example;
+pub mod images;
 pub mod label_map;
 pub mod loader;
 pub mod prepare;
@@ -12,6 +13,7 @@ pub mod shards;
 pub mod synthetic;
 pub mod textproto;
 pub mod tfrecord;
+pub mod validate;
 pub mod voc;
 
 pub use error::{DataError, Result};

@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::augment::{Annotated, Augmentation, augment};
 use crate::error::{DataError, Result};
-use crate::example::DetectionExample;
 use crate::tfrecord::RecordIndex;
+use crate::validate::read_checked;
 
 /// How batches are made.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +30,8 @@ pub struct LoaderConfig {
     pub batch_size: usize,
     /// Network input `[height, width]`.
     pub image_size: [usize; 2],
+    /// Classes of the model: every record's labels must lie in `1..=num_classes`.
+    pub num_classes: usize,
     /// Augmentation steps, in order.
     pub augmentations: Vec<Augmentation>,
     /// Shuffle every epoch (globally, over all records).
@@ -132,8 +134,9 @@ pub fn epoch_order(records: usize, seed: u64, epoch: u64, shuffle: bool) -> Vec<
     order
 }
 
-/// Decodes record `record`, augments it with the RNG of `(seed, epoch, slot)`, resizes and
-/// normalises it. Boxes left without area are dropped.
+/// Decodes and checks record `record` ([`read_checked`]: a bad label, box or image is an
+/// error naming the file and the record), augments it with the RNG of `(seed, epoch, slot)`,
+/// resizes and normalises it. Boxes left without area are dropped.
 pub fn load_sample(
     index: &RecordIndex,
     record: usize,
@@ -141,39 +144,12 @@ pub fn load_sample(
     epoch: u64,
     slot: usize,
 ) -> Result<(Vec<f32>, Vec<GroundTruth>, [u32; 2])> {
-    let loc = index.location(record);
-    let path = &index.files()[loc.file];
-    let where_ = || {
-        path.with_file_name(format!(
-            "{}@{}",
-            path.file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default(),
-            loc.offset
-        ))
-    };
-    let example = DetectionExample::decode(&index.read(record)?)
-        .map_err(|e| DataError::invalid(where_(), e.to_string()))?;
-    let image = image::load_from_memory(&example.encoded)
-        .map_err(|e| DataError::Image {
-            path: where_(),
-            problem: e.to_string(),
-        })?
-        .to_rgb8();
-    if image.width() == 0 || image.height() == 0 {
-        return Err(DataError::Image {
-            path: where_(),
-            problem: "zero-size image".into(),
-        });
-    }
+    let (example, image) = read_checked(index, record, Some(config.num_classes))?;
     let sample = Annotated {
-        image,
+        image: image.to_rgb8(),
         boxes: example.objects.iter().map(|o| o.bbox).collect(),
-        labels: example
-            .objects
-            .iter()
-            .map(|o| o.label.max(0) as usize)
-            .collect(),
+        // checked: every label is in 1..=num_classes
+        labels: example.objects.iter().map(|o| o.label as usize).collect(),
     };
     let mut rng = StdRng::seed_from_u64(mix(config.seed ^ mix(epoch ^ mix(slot as u64))));
     let out = augment(sample, &config.augmentations, &mut rng);

@@ -13,8 +13,9 @@ use serde_json::json;
 use crate::error::{DataError, Result};
 use crate::example::DetectionExample;
 use crate::label_map::LabelMap;
-use crate::shards::ShardedWriter;
+use crate::shards::{ClosedShards, ShardedWriter};
 use crate::synthetic::{CLASSES, generate};
+use crate::validate::check_objects;
 use crate::voc::{ClassSource, CleanupReport, PetLayout, VocAnnotation, voc_example};
 
 /// What was written for one split.
@@ -39,6 +40,9 @@ pub struct PrepareSummary {
     pub cleanup: CleanupReport,
     /// Skipped images with the reason.
     pub skipped: Vec<(String, String)>,
+    /// How many of the skipped images were invalid (skipped with `skip_invalid`); the others
+    /// had no annotation file.
+    pub invalid: usize,
 }
 
 fn write_text(path: &Path, text: &str) -> Result<()> {
@@ -77,8 +81,52 @@ pub fn synthetic_request(seed: u64, train: u64, val: u64, num_shards: usize) -> 
     json!({"source": "synthetic", "seed": seed, "train": train, "val": val, "num_shards": num_shards})
 }
 
+/// A training split of `records` records in `num_shards` shards: at least one shard, and no
+/// more than records (the rest would be empty).
+fn check_num_shards(num_shards: usize, records: usize, source: &Path) -> Result<()> {
+    if num_shards == 0 {
+        return Err(DataError::invalid(
+            source,
+            "num_shards 0: the training split needs at least one shard",
+        ));
+    }
+    if num_shards > records {
+        return Err(DataError::invalid(
+            source,
+            format!(
+                "num_shards {num_shards} is more than the {records} training records \
+                 (shards would be empty)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A split written under temporary names, waiting to replace the older set.
+type ClosedSplit = (&'static str, SplitSummary, ClosedShards);
+
+/// Replaces the older set of `out` with the closed splits: the old `manifest.json` goes first
+/// (so an interruption during the renames leaves a set that reads as not prepared), then
+/// every split's shards are renamed into place and older shards of the same names removed.
+fn replace_set(out: &Path, splits: Vec<ClosedSplit>) -> Result<BTreeMap<String, SplitSummary>> {
+    let manifest = out.join("manifest.json");
+    match std::fs::remove_file(&manifest) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(DataError::io("removing", &manifest)(e));
+        }
+        _ => {}
+    }
+    let mut summaries = BTreeMap::new();
+    for (split, mut summary, shards) in splits {
+        summary.files = shards.commit()?;
+        summaries.insert(split.to_string(), summary);
+    }
+    Ok(summaries)
+}
+
 /// Writes the synthetic cats-and-dogs set: `train` images in `num_shards` shards and `val`
 /// images (indices after the training ones) in one shard. `progress` gets the images done.
+/// An older set in `out` is replaced only once the new one is complete.
 pub fn prepare_synthetic(
     out: &Path,
     seed: u64,
@@ -87,45 +135,29 @@ pub fn prepare_synthetic(
     num_shards: usize,
     progress: &(dyn Fn(&str, u64) + Sync),
 ) -> Result<PrepareSummary> {
+    check_num_shards(num_shards, train as usize, out)?;
     std::fs::create_dir_all(out).map_err(DataError::io("creating", out))?;
-    let mut summary = PrepareSummary {
-        out: out.to_path_buf(),
-        ..Default::default()
-    };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let mut closed = Vec::new();
     for (split, first, count, shards) in [("train", 0, train, num_shards), ("val", train, val, 1)] {
         let mut writer = ShardedWriter::create(&out.join(format!("{split}.record")), shards)?;
         let mut split_summary = SplitSummary::default();
         let chunk = 64;
         for start in (first..first + count).step_by(chunk) {
             let end = (start + chunk as u64).min(first + count);
-            let per = (end - start).div_ceil(threads);
-            let examples: Vec<DetectionExample> = std::thread::scope(|s| {
-                let handles: Vec<_> = (0..threads)
-                    .map(|t| {
-                        let (a, b) = (start + t * per, (start + (t + 1) * per).min(end));
-                        s.spawn(move || {
-                            (a..b)
-                                .map(|i| generate(seed, i).to_example(i))
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .flat_map(|h| h.join().expect("generator thread"))
-                    .collect()
-            });
-            for e in &examples {
+            for e in &generate_examples(seed, start..end) {
                 writer.write(&e.encode())?;
                 count_objects(e, &mut split_summary.objects);
             }
             progress(split, end - start);
         }
         split_summary.images = writer.len();
-        split_summary.files = writer.finish()?;
-        summary.splits.insert(split.into(), split_summary);
+        closed.push((split, split_summary, writer.close()?));
     }
+    let summary = PrepareSummary {
+        out: out.to_path_buf(),
+        splits: replace_set(out, closed)?,
+        ..Default::default()
+    };
     write_text(
         &out.join("label_map.pbtxt"),
         &LabelMap::from_names(&CLASSES).to_pbtxt(),
@@ -140,69 +172,131 @@ pub fn prepare_synthetic(
     Ok(summary)
 }
 
+/// The synthetic examples of `indices`, drawn on every core.
+fn generate_examples(seed: u64, indices: std::ops::Range<u64>) -> Vec<DetectionExample> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let per = (indices.end - indices.start).div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let a = indices.start + t * per;
+                let b = (a + per).min(indices.end);
+                s.spawn(move || {
+                    (a..b)
+                        .map(|i| generate(seed, i).to_example(i))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("generator thread"))
+            .collect()
+    })
+}
+
+/// How a VOC / Oxford-IIIT Pet folder is prepared.
+#[derive(Debug, Clone)]
+pub struct VocOptions {
+    /// Where class names come from.
+    pub classes: ClassSource,
+    /// The label map to use instead of one made from the names found; every class name
+    /// must be in it.
+    pub label_map: Option<LabelMap>,
+    /// Seed of the train/val split.
+    pub seed: u64,
+    /// Shards of the training split.
+    pub num_shards: usize,
+    /// Skip (and count) invalid images and annotations instead of stopping at the first.
+    pub skip_invalid: bool,
+}
+
 /// Converts an Oxford-IIIT Pet / VOC folder: the listed names shuffled with `seed`, 70% train
-/// (in `num_shards` shards) and 30% val. Images without annotation, undecodable images and
-/// annotations that do not parse are skipped and reported; odd formats are re-encoded as JPEG;
-/// boxes are clipped or dropped (counted).
+/// (in `num_shards` shards) and 30% val. Listed images without an annotation file are skipped
+/// and reported, as the API's `create_pet_tf_record.py` does; an image that does not decode
+/// completely, an annotation that does not parse (an object without a name, a coordinate that
+/// is not a finite number) or a class outside the label map is an error naming the file, or,
+/// with `skip_invalid`, skipped and counted. Odd image formats are re-encoded as JPEG; boxes
+/// are clipped or dropped (counted). An older set in `out` is replaced only once the new one
+/// is complete.
 pub fn prepare_voc(
     root: &Path,
     out: &Path,
-    classes: ClassSource,
-    seed: u64,
-    num_shards: usize,
+    options: &VocOptions,
     progress: &(dyn Fn(&str, u64) + Sync),
 ) -> Result<PrepareSummary> {
     let layout = PetLayout::open(root)?;
-    let label_map = layout.label_map(classes);
+    let label_map = match &options.label_map {
+        Some(map) => map.clone(),
+        None => layout.label_map(options.classes)?,
+    };
     if label_map.items.is_empty() {
         return Err(DataError::invalid(root, "no classes found"));
     }
-    std::fs::create_dir_all(out).map_err(DataError::io("creating", out))?;
     let mut names = layout.names.clone();
-    names.shuffle(&mut StdRng::seed_from_u64(seed));
+    names.shuffle(&mut StdRng::seed_from_u64(options.seed));
     let num_train = (0.7 * names.len() as f64) as usize;
+    check_num_shards(options.num_shards, num_train, root)?;
+    std::fs::create_dir_all(out).map_err(DataError::io("creating", out))?;
     let mut summary = PrepareSummary {
         out: out.to_path_buf(),
         ..Default::default()
     };
+    let mut closed = Vec::new();
     for (split, list, shards) in [
-        ("train", &names[..num_train], num_shards),
+        ("train", &names[..num_train], options.num_shards),
         ("val", &names[num_train..], 1),
     ] {
         let mut writer = ShardedWriter::create(&out.join(format!("{split}.record")), shards)?;
         let mut split_summary = SplitSummary::default();
-        for n in list {
+        for name in list {
             progress(split, 1);
-            let xml = layout.xml_path(n);
-            if !xml.is_file() {
-                summary
-                    .skipped
-                    .push((n.clone(), format!("no annotation {}", xml.display())));
-                continue;
-            }
-            let example = VocAnnotation::load(&xml).and_then(|a| {
-                voc_example(
-                    &layout.image_path(n),
-                    &a,
-                    classes,
-                    &label_map,
-                    &mut summary.cleanup,
-                )
-            });
-            match example {
-                Ok(e) => {
+            match voc_record(&layout, name, options, &label_map, &mut summary.cleanup) {
+                Ok(Some(e)) => {
                     writer.write(&e.encode())?;
                     count_objects(&e, &mut split_summary.objects);
                 }
-                Err(e) => summary.skipped.push((n.clone(), e.to_string())),
+                Ok(None) => summary.skipped.push((
+                    name.clone(),
+                    format!("no annotation {}", layout.xml_path(name).display()),
+                )),
+                Err(e) if options.skip_invalid => {
+                    summary.invalid += 1;
+                    summary.skipped.push((name.clone(), e.to_string()));
+                }
+                Err(e) => return Err(e),
             }
         }
         split_summary.images = writer.len();
-        split_summary.files = writer.finish()?;
-        summary.splits.insert(split.into(), split_summary);
+        closed.push((split, split_summary, writer.close()?));
     }
+    if closed[0].1.images == 0 {
+        return Err(DataError::invalid(root, "no training image left to write"));
+    }
+    summary.splits = replace_set(out, closed)?;
     write_text(&out.join("label_map.pbtxt"), &label_map.to_pbtxt())?;
-    let request = json!({"source": root.display().to_string(), "classes": format!("{classes:?}"), "seed": seed, "num_shards": num_shards});
+    let request = json!({"source": root.display().to_string(), "classes": format!("{:?}", options.classes), "seed": options.seed, "num_shards": options.num_shards});
     write_manifest(out, request, label_map.names(), &summary)?;
     Ok(summary)
+}
+
+/// The checked example of the listed image `name`, or `None` when it has no annotation file.
+fn voc_record(
+    layout: &PetLayout,
+    name: &str,
+    options: &VocOptions,
+    label_map: &LabelMap,
+    cleanup: &mut CleanupReport,
+) -> Result<Option<DetectionExample>> {
+    let xml = layout.xml_path(name);
+    if !xml.is_file() {
+        return Ok(None);
+    }
+    let annotation = VocAnnotation::load(&xml)?;
+    let image = layout.image_path(name);
+    let example = voc_example(&image, &annotation, options.classes, label_map, cleanup)?;
+    let num_classes = label_map.items.iter().map(|it| it.id).max().unwrap_or(0);
+    check_objects(&example, Some(num_classes as usize))
+        .map_err(|problem| DataError::invalid(&xml, problem))?;
+    Ok(Some(example))
 }

@@ -1,8 +1,11 @@
 //! Sharded TFRecord file sets (`name-00000-of-00010`), glob expansion, and an atomic sharded
 //! writer: shards are written under temporary names and renamed into place only by
-//! [`ShardedWriter::finish`], so a crash never leaves a half-written set that looks complete.
+//! [`ClosedShards::commit`], which also removes the shards of an older set of the same name,
+//! so a crash never leaves a half-written set that looks complete and a re-run never leaves
+//! old shards beside the new ones.
 
-use std::fs::File;
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
@@ -44,48 +47,92 @@ pub fn expand_patterns<S: AsRef<str>>(patterns: &[S]) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Shards open at once. More (`--num-shards 2000`) could exceed the limit of open files
+/// (`ulimit -n`, often 1024); beyond it the least recently opened shard is closed and
+/// reopened for appending when its turn comes round again.
+const MAX_OPEN: usize = 64;
+
+type Writer = RecordWriter<BufWriter<File>>;
+
 /// Writes records round-robin into `count` shards (record `i` goes to shard `i % count`, as
-/// the API's `open_sharded_output_tfrecords` users do).
+/// the API's `open_sharded_output_tfrecords` users do), under temporary names
+/// (`.<shard>.partial`) until [`ClosedShards::commit`].
 #[derive(Debug)]
 pub struct ShardedWriter {
+    base_name: String,
     finals: Vec<PathBuf>,
     temps: Vec<PathBuf>,
-    writers: Vec<RecordWriter<BufWriter<File>>>,
+    open: Vec<Option<Writer>>,
+    /// Open shards, the least recently opened first.
+    open_order: VecDeque<usize>,
+    max_open: usize,
+    /// Whether each temporary file was created by this writer (later opens append).
+    created: Vec<bool>,
     written: usize,
 }
 
 impl ShardedWriter {
-    /// Starts a set of `count` shards named after `base`.
+    /// Starts a set of `count` shards named after `base`. `count` 0 is an error.
     pub fn create(base: &Path, count: usize) -> Result<Self> {
-        let count = count.max(1);
+        Self::with_open_limit(base, count, MAX_OPEN)
+    }
+
+    fn with_open_limit(base: &Path, count: usize, max_open: usize) -> Result<Self> {
+        if count == 0 {
+            return Err(DataError::invalid(
+                base,
+                "num_shards 0: a set needs at least one shard",
+            ));
+        }
         if let Some(dir) = base.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(DataError::io("creating", dir))?;
         }
         let finals: Vec<PathBuf> = (0..count).map(|i| shard_path(base, i, count)).collect();
-        let temps: Vec<PathBuf> = finals
-            .iter()
-            .map(|p| {
-                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("shard");
-                p.with_file_name(format!(".{name}.partial"))
-            })
-            .collect();
-        let mut writers = Vec::with_capacity(count);
-        for t in &temps {
-            let f = File::create(t).map_err(DataError::io("creating", t))?;
-            writers.push(RecordWriter::new(BufWriter::new(f)));
-        }
+        let temps = finals.iter().map(|p| temp_path(p)).collect();
         Ok(Self {
+            base_name: file_name(base).to_string(),
             finals,
             temps,
-            writers,
+            open: (0..count).map(|_| None).collect(),
+            open_order: VecDeque::new(),
+            max_open: max_open.max(1),
+            created: vec![false; count],
             written: 0,
         })
     }
 
+    /// Opens shard `i`'s temporary file: created (emptied) the first time, appended to later.
+    fn open_temp(&mut self, i: usize) -> Result<File> {
+        let t = &self.temps[i];
+        let file = if self.created[i] {
+            OpenOptions::new().append(true).open(t)
+        } else {
+            File::create(t)
+        };
+        self.created[i] = true;
+        file.map_err(DataError::io("creating", t))
+    }
+
+    /// Shard `i`'s writer, opened (closing the oldest open shard at the limit) if need be.
+    fn writer(&mut self, i: usize) -> Result<&mut Writer> {
+        if self.open[i].is_none() {
+            if self.open_order.len() >= self.max_open
+                && let Some(j) = self.open_order.pop_front()
+                && let Some(w) = self.open[j].take()
+            {
+                into_file(w, &self.temps[j])?;
+            }
+            let file = self.open_temp(i)?;
+            self.open[i] = Some(RecordWriter::new(BufWriter::new(file)));
+            self.open_order.push_back(i);
+        }
+        Ok(self.open[i].as_mut().expect("opened above"))
+    }
+
     /// Appends one record.
     pub fn write(&mut self, record: &[u8]) -> Result<()> {
-        let i = self.written % self.writers.len();
-        self.writers[i]
+        let i = self.written % self.temps.len();
+        self.writer(i)?
             .write(record)
             .map_err(DataError::io("writing", &self.temps[i]))?;
         self.written += 1;
@@ -102,37 +149,109 @@ impl ShardedWriter {
         self.written == 0
     }
 
-    /// Flushes, fsyncs and renames every shard into place; returns the final paths.
-    pub fn finish(mut self) -> Result<Vec<PathBuf>> {
-        let writers = std::mem::take(&mut self.writers);
-        for (w, t) in writers.into_iter().zip(&self.temps) {
-            let file = w.into_inner().into_inner().map_err(|e| DataError::Io {
-                action: "writing",
-                path: t.clone(),
-                source: e.into_error(),
-            })?;
-            file.sync_all().map_err(DataError::io("syncing", t))?;
+    /// Flushes and fsyncs every shard (shards without records become empty files); nothing
+    /// has replaced any older set yet.
+    pub fn close(mut self) -> Result<ClosedShards> {
+        for i in 0..self.temps.len() {
+            let file = match self.open[i].take() {
+                Some(w) => into_file(w, &self.temps[i])?,
+                None => self.open_temp(i)?,
+            };
+            file.sync_all()
+                .map_err(DataError::io("syncing", &self.temps[i]))?;
         }
-        for (t, f) in self.temps.iter().zip(&self.finals) {
-            std::fs::rename(t, f).map_err(DataError::io("renaming", t))?;
-        }
-        if let Some(dir) = self.finals[0]
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-        {
-            let _ = File::open(dir).and_then(|d| d.sync_all());
-        }
-        self.temps.clear();
-        Ok(std::mem::take(&mut self.finals))
+        Ok(ClosedShards {
+            base_name: std::mem::take(&mut self.base_name),
+            finals: std::mem::take(&mut self.finals),
+            temps: std::mem::take(&mut self.temps),
+        })
+    }
+
+    /// [`close`](Self::close) and [`ClosedShards::commit`]: returns the final paths.
+    pub fn finish(self) -> Result<Vec<PathBuf>> {
+        self.close()?.commit()
     }
 }
 
 impl Drop for ShardedWriter {
     /// An unfinished set leaves nothing behind.
     fn drop(&mut self) {
-        for t in &self.temps {
-            let _ = std::fs::remove_file(t);
+        remove_all(&self.temps);
+    }
+}
+
+/// A complete set of shards under temporary names, waiting to replace the set of the same
+/// name. Dropped without [`commit`](Self::commit), it leaves nothing behind.
+#[derive(Debug)]
+pub struct ClosedShards {
+    base_name: String,
+    finals: Vec<PathBuf>,
+    temps: Vec<PathBuf>,
+}
+
+impl ClosedShards {
+    /// Renames every shard into place, then removes the shards of any older set of the same
+    /// name that this one does not replace (an earlier run with more shards) and temporary
+    /// files an interrupted run left. Returns the final paths.
+    pub fn commit(mut self) -> Result<Vec<PathBuf>> {
+        for (t, f) in self.temps.iter().zip(&self.finals) {
+            std::fs::rename(t, f).map_err(DataError::io("renaming", t))?;
         }
+        self.temps.clear();
+        let dir = self.finals[0]
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        for entry in std::fs::read_dir(dir).map_err(DataError::io("listing", dir))? {
+            let path = entry.map_err(DataError::io("listing", dir))?.path();
+            if is_shard_of(file_name(&path), &self.base_name) && !self.finals.contains(&path) {
+                std::fs::remove_file(&path).map_err(DataError::io("removing", &path))?;
+            }
+        }
+        let _ = model::io::sync_dir(dir);
+        Ok(std::mem::take(&mut self.finals))
+    }
+}
+
+impl Drop for ClosedShards {
+    fn drop(&mut self) {
+        remove_all(&self.temps);
+    }
+}
+
+fn file_name(path: &Path) -> &str {
+    path.file_name().and_then(|n| n.to_str()).unwrap_or("data")
+}
+
+fn temp_path(shard: &Path) -> PathBuf {
+    shard.with_file_name(format!(".{}.partial", file_name(shard)))
+}
+
+/// Whether `name` is a shard of the set `base` (`base-00001-of-00004`) or the temporary file
+/// of one (`.base-00001-of-00004.partial`).
+fn is_shard_of(name: &str, base: &str) -> bool {
+    let name = name
+        .strip_prefix('.')
+        .and_then(|n| n.strip_suffix(".partial"))
+        .unwrap_or(name);
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    name.strip_prefix(base)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .and_then(|rest| rest.split_once("-of-"))
+        .is_some_and(|(i, n)| digits(i) && digits(n))
+}
+
+fn into_file(writer: Writer, path: &Path) -> Result<File> {
+    writer.into_inner().into_inner().map_err(|e| DataError::Io {
+        action: "writing",
+        path: path.to_path_buf(),
+        source: e.into_error(),
+    })
+}
+
+fn remove_all(paths: &[PathBuf]) {
+    for p in paths {
+        let _ = std::fs::remove_file(p);
     }
 }
 
@@ -164,6 +283,82 @@ mod tests {
         assert!(expand_patterns(&[format!("{}/none-*", dir.path().display())]).is_err());
         // only the three shards are in the folder
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+    }
+
+    #[test]
+    fn many_shards_with_few_open_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("t");
+        let mut w = ShardedWriter::with_open_limit(&base, 10, 3).unwrap();
+        for i in 0..25u8 {
+            w.write(&[i]).unwrap();
+            assert!(w.open_order.len() <= 3);
+        }
+        let files = w.finish().unwrap();
+        assert_eq!(files.len(), 10);
+        for (s, f) in files.iter().enumerate() {
+            let want: Vec<Vec<u8>> = (s as u8..25).step_by(10).map(|r| vec![r]).collect();
+            assert_eq!(read_all(f).unwrap(), want, "shard {s}");
+        }
+        // 2000 shards with the default limit: every one written, nothing else left
+        let many = dir.path().join("many");
+        std::fs::create_dir(&many).unwrap();
+        let mut w = ShardedWriter::create(&many.join("train.record"), 2000).unwrap();
+        for i in 0..4000u32 {
+            w.write(&i.to_le_bytes()).unwrap();
+        }
+        let files = w.finish().unwrap();
+        assert_eq!(files.len(), 2000);
+        assert_eq!(read_all(&files[1999]).unwrap().len(), 2);
+        assert_eq!(std::fs::read_dir(&many).unwrap().count(), 2000);
+        let err = ShardedWriter::create(&base, 0).unwrap_err().to_string();
+        assert!(err.contains("num_shards 0"), "{err}");
+    }
+
+    #[test]
+    fn a_new_set_replaces_the_old_one_only_when_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("train.record");
+        let write = |count: usize, records: u8| {
+            let mut w = ShardedWriter::create(&base, count).unwrap();
+            for i in 0..records {
+                w.write(&[i]).unwrap();
+            }
+            w
+        };
+        let old = write(5, 10).finish().unwrap();
+        std::fs::write(
+            dir.path().join("train.record2-00000-of-00001"),
+            b"other set",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join(".train.record-00003-of-00009.partial"), b"").unwrap();
+        let names = || {
+            let mut n: Vec<String> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            n.sort();
+            n
+        };
+        // closed but not committed, then dropped (a failure later in the run): the old set
+        // is intact and no temporary file is left
+        drop(write(2, 4).close().unwrap());
+        assert_eq!(names().len(), 7);
+        assert!(old.iter().all(|f| read_all(f).unwrap().len() == 2));
+        let new = write(2, 4).finish().unwrap();
+        assert_eq!(
+            names(),
+            vec![
+                "train.record-00000-of-00002",
+                "train.record-00001-of-00002",
+                "train.record2-00000-of-00001",
+            ]
+        );
+        assert_eq!(
+            expand_patterns(&[format!("{}-*", base.display())]).unwrap(),
+            new
+        );
     }
 
     #[test]

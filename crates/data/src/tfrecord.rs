@@ -160,6 +160,12 @@ impl RecordIndex {
         self.records[i]
     }
 
+    /// The number of record `i` within its file, from 0.
+    pub fn number_in_file(&self, i: usize) -> usize {
+        let file = self.records[i].file;
+        i - self.records.partition_point(|r| r.file < file)
+    }
+
     /// Reads record `i` (checksums verified again).
     pub fn read(&self, i: usize) -> Result<Vec<u8>> {
         let loc = self.records.get(i).copied().ok_or_else(|| {
@@ -219,6 +225,10 @@ mod tests {
         assert_eq!(index.len(), 4);
         assert_eq!(index.read(3).unwrap(), b"four");
         assert_eq!(index.read(2).unwrap(), b"three");
+        assert_eq!(
+            (0..4).map(|i| index.number_in_file(i)).collect::<Vec<_>>(),
+            vec![0, 1, 2, 0]
+        );
         assert_eq!(
             index.location(2),
             RecordLocation {

@@ -4,14 +4,15 @@
 //! mess (missing XML, mislabelled or odd image formats, boxes outside the image) handled and
 //! counted.
 
-use std::io::Cursor;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use image::{ImageFormat, ImageReader};
+use image::ImageFormat;
 use model::BBox;
 
 use crate::error::{DataError, Result};
 use crate::example::{DetectionExample, Object, sha256_hex};
+use crate::images::decode_image;
 use crate::label_map::LabelMap;
 
 /// One `<object>` of a VOC annotation, box in pixels.
@@ -73,7 +74,17 @@ fn number(node: roxmltree::Node, name: &str, path: &Path) -> Result<f32> {
     let text = child_text(node, name)
         .ok_or_else(|| DataError::invalid(path, format!("missing <{name}>")))?;
     text.parse::<f32>()
-        .map_err(|_| DataError::invalid(path, format!("<{name}> is not a number: {text:?}")))
+        .ok()
+        .filter(|v| v.is_finite())
+        .ok_or_else(|| DataError::invalid(path, format!("<{name}> is not a number: {text:?}")))
+}
+
+/// The `<name>` of object `index`: present and not empty.
+fn object_name(object: roxmltree::Node, index: usize, path: &Path) -> Result<String> {
+    child_text(object, "name")
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+        .ok_or_else(|| DataError::invalid(path, format!("<object> {index} has no <name>")))
 }
 
 impl VocAnnotation {
@@ -89,13 +100,14 @@ impl VocAnnotation {
         let objects = root
             .children()
             .filter(|c| c.has_tag_name("object"))
-            .map(|o| {
+            .enumerate()
+            .map(|(index, o)| {
                 let b = o
                     .children()
                     .find(|c| c.has_tag_name("bndbox"))
                     .ok_or_else(|| DataError::invalid(path, "<object> without <bndbox>"))?;
                 Ok(VocObject {
-                    name: child_text(o, "name").unwrap_or_default().to_string(),
+                    name: object_name(o, index, path)?,
                     pose: child_text(o, "pose").unwrap_or_default().to_string(),
                     truncated: child_text(o, "truncated").is_some_and(|t| t == "1"),
                     difficult: child_text(o, "difficult").is_some_and(|t| t == "1"),
@@ -132,21 +144,16 @@ pub fn breed_from_filename(filename: &str) -> Option<&str> {
 }
 
 /// Reads an image file, returning JPEG bytes (the original ones when they already are an RGB
-/// JPEG) with its size, and whether it had to be re-encoded.
+/// JPEG) with its size, and whether it had to be re-encoded. A file that does not decode
+/// completely (a JPEG or PNG cut short) is an error, as TensorFlow's decoders reject it.
 pub fn load_image_as_jpeg(path: &Path) -> Result<(Vec<u8>, u32, u32, bool)> {
     let bytes = std::fs::read(path).map_err(DataError::io("reading", path))?;
     let bad = |problem: String| DataError::Image {
         path: path.to_path_buf(),
         problem,
     };
-    let format = image::guess_format(&bytes).map_err(|e| bad(e.to_string()))?;
-    let img = ImageReader::with_format(Cursor::new(&bytes), format)
-        .decode()
-        .map_err(|e| bad(e.to_string()))?;
+    let (img, format) = decode_image(&bytes).map_err(bad)?;
     let (w, h) = (img.width(), img.height());
-    if w == 0 || h == 0 {
-        return Err(bad("zero-size image".into()));
-    }
     let is_rgb_jpeg =
         format == ImageFormat::Jpeg && matches!(img, image::DynamicImage::ImageRgb8(_));
     if is_rgb_jpeg {
@@ -269,25 +276,46 @@ impl PetLayout {
     }
 
     /// The label map for `classes`: the species found in the XMLs, or the breeds of the listed
-    /// names, sorted case-insensitively as the API's `pet_label_map.pbtxt`.
-    pub fn label_map(&self, classes: ClassSource) -> LabelMap {
-        let mut names: Vec<String> = match classes {
-            ClassSource::Breeds => self
-                .names
-                .iter()
-                .filter_map(|n| breed_from_filename(n))
-                .map(str::to_string)
-                .collect(),
-            ClassSource::Species => self
-                .names
-                .iter()
-                .filter_map(|n| VocAnnotation::load(&self.xml_path(n)).ok())
-                .flat_map(|a| a.objects.into_iter().map(|o| o.name))
-                .collect(),
-        };
-        names.sort_by_key(|n| n.to_lowercase());
-        names.dedup();
-        LabelMap::from_names(&names)
+    /// names, sorted case-insensitively as the API's `pet_label_map.pbtxt`. Names that differ
+    /// only in case (`Cat`, `cat`) are an error naming both and a file of each: they would
+    /// silently become two classes. Annotations that do not load are left out here (preparing
+    /// their images reports them).
+    pub fn label_map(&self, classes: ClassSource) -> Result<LabelMap> {
+        // every class name with the first file it appears in
+        let mut found: BTreeMap<String, PathBuf> = BTreeMap::new();
+        for n in &self.names {
+            match classes {
+                ClassSource::Breeds => {
+                    if let Some(breed) = breed_from_filename(n) {
+                        found
+                            .entry(breed.to_string())
+                            .or_insert_with(|| self.image_path(n));
+                    }
+                }
+                ClassSource::Species => {
+                    let xml = self.xml_path(n);
+                    for o in VocAnnotation::load(&xml).map_or(Vec::new(), |a| a.objects) {
+                        found.entry(o.name).or_insert_with(|| xml.clone());
+                    }
+                }
+            }
+        }
+        let mut by_lowercase: BTreeMap<String, (String, PathBuf)> = BTreeMap::new();
+        for (name, file) in found {
+            if let Some((other, other_file)) = by_lowercase.get(&name.to_lowercase()) {
+                return Err(DataError::invalid(
+                    &file,
+                    format!(
+                        "class {name:?} differs from class {other:?} (in {}) only in case: \
+                         correct the spelling, or give a label map that lists both",
+                        other_file.display()
+                    ),
+                ));
+            }
+            by_lowercase.insert(name.to_lowercase(), (name, file));
+        }
+        let names: Vec<String> = by_lowercase.into_values().map(|(n, _)| n).collect();
+        Ok(LabelMap::from_names(&names))
     }
 }
 

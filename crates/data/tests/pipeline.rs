@@ -7,7 +7,7 @@ use std::sync::Arc;
 use data::DetectionExample;
 use data::augment::Augmentation;
 use data::loader::{Loader, LoaderConfig, Position};
-use data::prepare::{prepare_synthetic, prepare_voc};
+use data::prepare::{VocOptions, prepare_synthetic, prepare_voc};
 use data::shards::expand_patterns;
 use data::tfrecord::{RecordIndex, read_all};
 use data::voc::ClassSource;
@@ -102,11 +102,19 @@ fn oxford_pet_folder_with_quirks() {
     let root = dir.path().join("pets");
     pet_fixture(&root);
     let out = dir.path().join("out");
-    let summary = prepare_voc(&root, &out, ClassSource::Species, 42, 2, &|_, _| {}).unwrap();
+    let options = |classes, num_shards| VocOptions {
+        classes,
+        label_map: None,
+        seed: 42,
+        num_shards,
+        skip_invalid: true,
+    };
+    let summary = prepare_voc(&root, &out, &options(ClassSource::Species, 2), &|_, _| {}).unwrap();
     let written: usize = summary.splits.values().map(|s| s.images).sum();
     // 10 listed: no XML (Bengal_2), corrupt image (Bengal_1), malformed XML (boxer_2) skipped
     assert_eq!(written, 7, "{summary:?}");
     assert_eq!(summary.skipped.len(), 3);
+    assert_eq!(summary.invalid, 2, "the missing XML is not invalid");
     let reasons: Vec<&str> = summary.skipped.iter().map(|(_, r)| r.as_str()).collect();
     assert!(
         reasons.iter().any(|r| r.contains("no annotation")),
@@ -159,9 +167,7 @@ fn oxford_pet_folder_with_quirks() {
     let summary = prepare_voc(
         &root,
         &dir.path().join("breeds"),
-        ClassSource::Breeds,
-        42,
-        1,
+        &options(ClassSource::Breeds, 1),
         &|_, _| {},
     )
     .unwrap();
@@ -177,6 +183,7 @@ fn loader_config(workers: usize) -> LoaderConfig {
     LoaderConfig {
         batch_size: 4,
         image_size: [64, 64],
+        num_classes: 2,
         augmentations: vec![
             Augmentation::RandomHorizontalFlip,
             Augmentation::SsdRandomCrop { operations: vec![] },

@@ -119,7 +119,13 @@ fn flatten_targets(targets: &[ImageTargets], num_classes: usize) -> BatchTargets
         box_codes: Vec::with_capacity(n * 4),
         box_weights: Vec::with_capacity(n),
     };
-    for (i, t) in targets.iter().flat_map(|t| t.class_ids.iter()).enumerate() {
+    for (i, &t) in targets.iter().flat_map(|t| t.class_ids.iter()).enumerate() {
+        // a larger id would set a label in the next anchor's row; the data loader refuses
+        // labels outside 1..=num_classes naming the record, so one here is a caller's bug
+        assert!(
+            t <= num_classes,
+            "class id {t} above num_classes {num_classes} in the targets"
+        );
         out.labels[i * (num_classes + 1) + t] = 1.0;
     }
     for t in targets {
@@ -345,6 +351,28 @@ mod tests {
             ..miner(3, 0)
         };
         assert!(mine_hard_examples(&capped, &losses, &boxes, &matches).is_empty());
+    }
+
+    fn targets_with_class(class: usize) -> ImageTargets {
+        ImageTargets {
+            matches: vec![Matched(0), Unmatched],
+            class_ids: vec![class, 0],
+            class_weights: vec![1.0; 2],
+            box_codes: vec![[0.0; 4]; 2],
+            box_weights: vec![1.0, 0.0],
+        }
+    }
+
+    #[test]
+    fn one_hot_targets_stay_in_their_anchor_row() {
+        let flat = flatten_targets(&[targets_with_class(2)], 2);
+        assert_eq!(flat.labels, vec![0.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "class id 3 above num_classes 2 in the targets")]
+    fn a_class_id_above_num_classes_is_refused() {
+        flatten_targets(&[targets_with_class(3)], 2);
     }
 
     #[test]

@@ -233,6 +233,7 @@ fn learner_equals_manual_step(replicas: usize) {
     let loader_config = LoaderConfig {
         batch_size: 4,
         image_size: c.model.image_size,
+        num_classes: c.model.num_classes,
         augmentations: c.data.augmentation.clone(),
         shuffle: true,
         seed: c.train.seed,

@@ -128,6 +128,7 @@ fn batch(config: &TrainConfig) -> Batch {
     let loader_config = LoaderConfig {
         batch_size: 2,
         image_size: config.model.image_size,
+        num_classes: config.model.num_classes,
         augmentations: Vec::new(),
         shuffle: false,
         seed: 0,

@@ -1,9 +1,10 @@
 //! Running a network over an evaluation set: detections paired with the ground truth.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use burn::tensor::{Tensor, TensorData};
 use data::DetectionExample;
 use data::tfrecord::RecordIndex;
+use data::validate::read_checked;
 use image::{DynamicImage, RgbImage};
 use model::inference::postprocess;
 use model::ops::SsdBackend;
@@ -45,7 +46,8 @@ pub fn run_on_dataset<B: SsdBackend>(
         let mut input = Vec::with_capacity((end - start) * 3 * h * w);
         let mut truths = Vec::new();
         for i in start..end {
-            let (example, image) = read_record(index, i)?;
+            // a bad label, box or image is an error naming the file and the record
+            let (example, image) = read_checked(index, i, Some(config.num_classes))?;
             image_to_input(&image, h, w, &mut input)?;
             truths.push(ground_truth(&example, &image));
             if run.images.len() < keep_images {
@@ -72,22 +74,6 @@ pub fn run_on_dataset<B: SsdBackend>(
     Ok(run)
 }
 
-/// Record `i` and its decoded image; errors name the file and the record's byte offset.
-fn read_record(index: &RecordIndex, i: usize) -> Result<(DetectionExample, DynamicImage)> {
-    let loc = index.location(i);
-    let at = || {
-        format!(
-            "{} record at byte {}",
-            index.files()[loc.file].display(),
-            loc.offset
-        )
-    };
-    let example = DetectionExample::decode(&index.read(i)?).with_context(at)?;
-    let image =
-        image::load_from_memory(&example.encoded).with_context(|| format!("{}: image", at()))?;
-    Ok((example, image))
-}
-
 /// The ground truth of a record in pixels, with the image's height and width.
 fn ground_truth(example: &DetectionExample, image: &DynamicImage) -> (Vec<GtBox>, u32, u32) {
     let (ih, iw) = (image.height(), image.width());
@@ -96,7 +82,7 @@ fn ground_truth(example: &DetectionExample, image: &DynamicImage) -> (Vec<GtBox>
         .iter()
         .map(|o| GtBox {
             bbox: o.bbox.to_pixels(ih, iw),
-            class_id: o.label.max(0) as usize,
+            class_id: o.label as usize,
             difficult: o.difficult,
         })
         .collect();

@@ -220,6 +220,7 @@ fn loader_config(config: &TrainConfig, shape: &RunShape) -> LoaderConfig {
     LoaderConfig {
         batch_size: config.train.batch_size,
         image_size: config.model.image_size,
+        num_classes: config.model.num_classes,
         augmentations: config.data.augmentation.clone(),
         shuffle: true,
         seed: config.train.seed,
