@@ -154,15 +154,18 @@ enum Command {
         model_dir: PathBuf,
     },
     /// Write a model's inference weights (by default its moving-average weights when it keeps
-    /// them) as safetensors (names in `model::portable`, the model config in the metadata),
-    /// and the model config as JSON beside it (`FILE.json`); `model::Detector::load` takes
-    /// the file.
+    /// them) as safetensors (names in `model::portable`, the model config in the metadata;
+    /// `model::Detector::load` takes the file), or the inference network as TFLite or ONNX
+    /// (`model::export`); the model config goes beside it as JSON (`FILE.json`).
     Export {
         #[command(flatten)]
         checkpoint: CheckpointArgs,
-        /// The safetensors file to write.
+        /// The file to write.
         #[arg(long)]
         out: PathBuf,
+        /// What to write.
+        #[arg(long, value_enum, default_value_t = Format::Safetensors)]
+        format: Format,
     },
     /// Convert a TensorFlow Object Detection API checkpoint (`PREFIX.index` +
     /// `PREFIX.data-*`) of SSD-MobileNet-v1 into safetensors (as `export` writes them), to
@@ -182,6 +185,17 @@ enum Command {
         #[arg(long)]
         moving_average: bool,
     },
+}
+
+/// The formats of `train export`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Format {
+    /// The weights, for `model::Detector` and further training.
+    Safetensors,
+    /// A `.tflite` flatbuffer with the `TFLite_Detection_PostProcess` op.
+    Tflite,
+    /// An ONNX model with the raw outputs and the decoded boxes.
+    Onnx,
 }
 
 /// A trained model: its weights and its config.
@@ -247,7 +261,11 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Some(Command::Export { checkpoint, out }) => export(&checkpoint.locate()?, &out),
+        Some(Command::Export {
+            checkpoint,
+            out,
+            format,
+        }) => export(&checkpoint.locate()?, &out, format),
         Some(Command::ImportCheckpoint {
             prefix,
             config,
@@ -270,6 +288,7 @@ fn main() -> Result<()> {
             export(
                 &TrainedModel::locate(&prefix, Some(config), Some(weights))?,
                 &out,
+                Format::Safetensors,
             )
         }
         Some(Command::ImportConfig { pipeline, out }) => {
@@ -336,13 +355,18 @@ fn main() -> Result<()> {
     }
 }
 
-fn export(trained: &TrainedModel, out: &Path) -> Result<()> {
+fn export(trained: &TrainedModel, out: &Path, format: Format) -> Result<()> {
     let net = trained.load::<Flex>(&Default::default())?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
-    model::portable::save_safetensors(&net, &trained.config, out)?;
+    let config = &trained.config;
+    match format {
+        Format::Safetensors => model::portable::save_safetensors(&net, config, out)?,
+        Format::Tflite => model::export::write_tflite(&net, config, out)?,
+        Format::Onnx => model::export::write_onnx(&net, config, out)?,
+    }
     let json = out.with_extension("json");
     model::weights::write_atomic(
         &json,
