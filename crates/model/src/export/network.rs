@@ -3,7 +3,6 @@
 //! chain of layers up to the predictor heads, the heads, and the anchors.
 
 use burn::nn::conv::Conv2d;
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::boxes::BBox;
@@ -12,7 +11,7 @@ use crate::error::{ModelError, Result};
 use crate::layers::ConvBnRelu6;
 use crate::ops::SsdBackend;
 use crate::ssd::{Ssd, anchors};
-use crate::tf::names::unit_names;
+use crate::tf::names::{unit_names, values};
 
 /// One convolution of the frozen network (TF "SAME" padding, square kernel).
 #[derive(Debug, Clone)]
@@ -61,13 +60,6 @@ pub(crate) struct FrozenNetwork {
     pub num_classes: usize,
     /// The anchors, in the order of the concatenated head outputs.
     pub anchors: Vec<BBox>,
-}
-
-fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .to_vec()
-        .expect("a float tensor converts to f32")
 }
 
 /// Folds `unit`'s BatchNorm into its convolution: `kernel * scale` per output channel and the

@@ -189,7 +189,7 @@ impl Graph {
             int("group", groups as i64),
         ];
         let name = format!("{}/BiasAdd", conv.name);
-        let out = self.node("Conv", &name, &[&input, &weight, &bias], attrs);
+        let out = self.node("Conv", &name, &[input, &weight, &bias], attrs);
         if !conv.relu6 {
             return (out, (h, w));
         }

@@ -75,7 +75,8 @@ fn to_tensor<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(values, dims), device)
 }
 
-fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+/// A tensor's values as `f32`, flattened.
+pub(crate) fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
         .to_vec()
