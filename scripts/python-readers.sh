@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Reads what a short training run writes with the Python tools users reach for: TensorBoard's
 # own event reader on the event file (tags, steps and values against metrics.jsonl, the
-# evaluation images) and the `safetensors` package on `train export`. Uses the release binaries
-# (build them first); the Python packages go into a venv under target/ (PYTHON_READERS_VENV to
-# choose another). Without PyPI access the venv cannot be made: the check then says so and is
-# skipped (exit 0) unless PYTHON_READERS_REQUIRED=1.
+# evaluation images) and the `safetensors` package on `train export`; and runs the TFLite and
+# ONNX exports of that run and of the TF-written 37-class pets-config fixture in TFLite
+# (`ai-edge-litert`) and ONNX Runtime against our Detector (scripts/deploy_check.py). Uses the
+# release binaries and the `reference_outputs` example (build them first: `cargo build
+# --release --workspace --all-targets`); the Python packages go into a venv under target/
+# (PYTHON_READERS_VENV to choose another). Without PyPI access the venv cannot be made: the
+# check then says so and is skipped (exit 0) unless PYTHON_READERS_REQUIRED=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${PYTHON_READERS_VENV:-target/python-readers}
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import tensorboard, safetensors, numpy" 2>/dev/null; then
-  if ! { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet tensorboard safetensors numpy; }; then
-    echo "python-readers: could not install tensorboard/safetensors into $venv: check skipped" >&2
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import tensorboard, safetensors, numpy, onnxruntime, ai_edge_litert" 2>/dev/null; then
+  if ! { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet tensorboard safetensors numpy onnxruntime ai-edge-litert; }; then
+    echo "python-readers: could not install tensorboard/safetensors/onnxruntime/ai-edge-litert into $venv: check skipped" >&2
     [ "${PYTHON_READERS_REQUIRED:-0}" = 1 ] && exit 1
     exit 0
   fi
@@ -25,3 +28,20 @@ trap 'rm -rf "$work"' EXIT
 "$bin/train" export --model-dir "$work/run" --config configs/synthetic.json \
   --out "$work/model.safetensors" 2>>"$work/train.log"
 "$venv/bin/python" scripts/python_readers.py "$work/run" "$work/model.safetensors" configs/synthetic.json
+# the deployment formats in their runtimes, on the same preprocessed images as our Detector
+images=(crates/model/tests/fixtures/tf/ssd/image_{0,1,2}.png)
+deploy_check() { # NAME, then the model arguments of `train export`
+  local name=$1
+  shift
+  for format in safetensors tflite onnx; do
+    "$bin/train" export "$@" --format "$format" --out "$work/$name.$format" \
+      >/dev/null 2>>"$work/train.log" || { cat "$work/train.log" >&2; exit 1; }
+  done
+  "$bin/examples/reference_outputs" "$work/$name.safetensors" "$work/$name.reference.json" \
+    "${images[@]}" >/dev/null
+  "$venv/bin/python" scripts/deploy_check.py "$work/$name.tflite" "$work/$name.onnx" \
+    "$work/$name.reference.json"
+}
+deploy_check synthetic --model-dir "$work/run" --config configs/synthetic.json
+deploy_check pets --model-dir crates/model/tests/fixtures/tf/ssd/model.ckpt \
+  --config scripts/tf-fixtures/pipeline.config

@@ -156,7 +156,7 @@ impl<B: SsdBackend> BatchNorm<B> {
     /// The moving averages folded into the per-channel affine map of inference:
     /// `[scale, shift]` with `scale = gamma / sqrt(variance + epsilon)` and
     /// `shift = beta - mean * scale`.
-    fn folded(&self, device: &B::Device) -> [Tensor<B, 1>; 2] {
+    pub(crate) fn folded(&self, device: &B::Device) -> [Tensor<B, 1>; 2] {
         let mean = self.moving_mean.value().to_device(device);
         let variance = self.moving_variance.value().to_device(device);
         let scale = self.gamma.val() / variance.add_scalar(self.epsilon).sqrt();

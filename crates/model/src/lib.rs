@@ -24,6 +24,7 @@ pub mod box_coder;
 pub mod boxes;
 pub mod config;
 pub mod error;
+pub mod export;
 pub mod inference;
 pub mod io;
 mod layers;

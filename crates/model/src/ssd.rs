@@ -232,8 +232,9 @@ impl<B: Backend> Ssd<B> {
         (&mut self.box_heads, &mut self.class_heads)
     }
 
-    /// Every BatchNorm of the network, in a fixed order.
-    pub fn batch_norms(&self) -> Vec<&BatchNorm<B>> {
+    /// Every convolution + BatchNorm unit in [`Ssd::conv_units_mut`] order; each feeds the
+    /// next, so this is also the order of the network's layers up to the predictor heads.
+    pub(crate) fn conv_units(&self) -> Vec<&ConvBnRelu6<B>> {
         std::iter::once(&self.backbone.conv0)
             .chain(
                 self.backbone
@@ -242,8 +243,12 @@ impl<B: Backend> Ssd<B> {
                     .flat_map(|b| [&b.depthwise, &b.pointwise]),
             )
             .chain(self.extras.iter().flat_map(|e| [&e.reduce, &e.expand]))
-            .map(|u| &u.bn)
             .collect()
+    }
+
+    /// Every BatchNorm of the network, in a fixed order.
+    pub fn batch_norms(&self) -> Vec<&BatchNorm<B>> {
+        self.conv_units().into_iter().map(|u| &u.bn).collect()
     }
 
     /// Number of trainable parameters as TF counts its trainable variables: kernels, BatchNorm

@@ -26,7 +26,7 @@ pub const FEATURE_EXTRACTOR: &str = "FeatureExtractor";
 pub const BACKBONE: &str = "FeatureExtractor/MobilenetV1";
 
 /// Name prefix of every convolution + BatchNorm unit, in [`Ssd::conv_units_mut`] order.
-fn unit_names(config: &SsdConfig) -> Vec<String> {
+pub(crate) fn unit_names(config: &SsdConfig) -> Vec<String> {
     let mut names = vec![format!("{BACKBONE}/Conv2d_0")];
     for i in 1..=SEPARABLE_BLOCKS.len() {
         names.push(format!("{BACKBONE}/Conv2d_{i}_depthwise"));
@@ -75,7 +75,8 @@ fn to_tensor<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(values, dims), device)
 }
 
-fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+/// A tensor's values as `f32`, flattened.
+pub(crate) fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
         .to_vec()

@@ -11,16 +11,30 @@ use train::trained::{TrainedModel, Weights};
 use super::CheckpointArgs;
 
 /// Write a model's inference weights (by default its moving-average weights when it keeps
-/// them) as safetensors (names in `model::portable`, the model config in the metadata),
-/// and the model config as JSON beside it (`FILE.json`); `model::Detector::load` takes
-/// the file.
+/// them) as safetensors (names in `model::portable`, the model config in the metadata;
+/// `model::Detector::load` takes the file), or the inference network as TFLite or ONNX
+/// (`model::export`); the model config goes beside it as JSON (`FILE.json`).
 #[derive(clap::Args)]
 pub struct ExportArgs {
     #[command(flatten)]
     checkpoint: CheckpointArgs,
-    /// The safetensors file to write.
+    /// The file to write.
     #[arg(long)]
     out: PathBuf,
+    /// What to write.
+    #[arg(long, value_enum, default_value_t = Format::Safetensors)]
+    format: Format,
+}
+
+/// The formats of `train export`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Format {
+    /// The weights, for `model::Detector` and further training.
+    Safetensors,
+    /// A `.tflite` flatbuffer with the `TFLite_Detection_PostProcess` op.
+    Tflite,
+    /// An ONNX model with the raw outputs and the decoded boxes.
+    Onnx,
 }
 
 /// Convert a TensorFlow Object Detection API checkpoint (`PREFIX.index` +
@@ -45,7 +59,7 @@ pub struct ImportCheckpointArgs {
 
 /// `train export`.
 pub fn run(args: ExportArgs) -> Result<()> {
-    export(&args.checkpoint.locate()?, &args.out)
+    export(&args.checkpoint.locate()?, &args.out, args.format)
 }
 
 /// `train import-checkpoint`.
@@ -67,16 +81,22 @@ pub fn import_checkpoint(args: ImportCheckpointArgs) -> Result<()> {
     export(
         &TrainedModel::locate(prefix, Some(config), Some(weights))?,
         &args.out,
+        Format::Safetensors,
     )
 }
 
-fn export(trained: &TrainedModel, out: &Path) -> Result<()> {
+fn export(trained: &TrainedModel, out: &Path, format: Format) -> Result<()> {
     let net = trained.load::<Flex>(&Default::default())?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
-    model::portable::save_safetensors(&net, &trained.config, out)?;
+    let config = &trained.config;
+    match format {
+        Format::Safetensors => model::portable::save_safetensors(&net, config, out)?,
+        Format::Tflite => model::export::write_tflite(&net, config, out)?,
+        Format::Onnx => model::export::write_onnx(&net, config, out)?,
+    }
     let json = out.with_extension("json");
     model::io::write_atomic(
         &json,
