@@ -100,8 +100,10 @@ fn check_resumable(dir: &Path, state: &CheckpointState, config: &TrainConfig) ->
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(()); // written before checkpoints kept their config: the weights are checked on load
     };
-    let stored: serde_json::Value =
+    // both sides through the same typed round trip, so that f32 values compare equal
+    let stored: model::SsdConfig =
         serde_json::from_str(&text).with_context(|| format!("{} is damaged", path.display()))?;
+    let stored = serde_json::to_value(&stored)?;
     let ours = serde_json::to_value(&config.model)?;
     let differing: Vec<&str> = ours
         .as_object()
