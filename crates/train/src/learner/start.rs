@@ -122,3 +122,58 @@ fn check_resumable(dir: &Path, state: &CheckpointState, config: &TrainConfig) ->
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> TrainConfig {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/synthetic.json");
+        TrainConfig::load(&path).unwrap()
+    }
+
+    fn state(seed: u64) -> CheckpointState {
+        CheckpointState {
+            step: 7,
+            position: Position::default(),
+            seed,
+            learning_rate: 0.1,
+            replicas: 1,
+            has_ema: false,
+        }
+    }
+
+    #[test]
+    fn another_seed_or_model_config_is_an_error_saying_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = config();
+        let seed = c.train.seed;
+        // written before checkpoints kept their config: only the seed is checked
+        check_resumable(dir.path(), &state(seed), &c).unwrap();
+        let err = check_resumable(dir.path(), &state(seed + 1), &c)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("--seed {} to resume it", seed + 1)),
+            "{err}"
+        );
+        let stored = serde_json::to_vec_pretty(&c.model).unwrap();
+        std::fs::write(dir.path().join(MODEL_CONFIG_FILE), stored).unwrap();
+        check_resumable(dir.path(), &state(seed), &c).unwrap();
+        let mut other = c.clone();
+        other.model.num_classes += 1;
+        other.model.class_names.clear();
+        other.model.image_size = [160, 160];
+        let err = check_resumable(dir.path(), &state(seed), &other)
+            .unwrap_err()
+            .to_string();
+        for field in ["model.class_names", "model.image_size", "model.num_classes"] {
+            assert!(err.contains(field), "{err}");
+        }
+        assert!(
+            err.contains("was written for another model config"),
+            "{err}"
+        );
+        assert!(!err.contains("model.anchors"), "{err}");
+    }
+}
