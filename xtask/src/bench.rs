@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use train::config::TrainConfig;
 use train::devices::{BackendJob, parse_device, parse_devices};
-use train::learner::{RunOptions, RunSummary, train};
+use train::learner::{RunOptions, TrainingJob};
 
 /// One measurement, run in a child process.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -244,7 +244,7 @@ fn train_case(
         cluster: None,
         repeat_first_batch: in_memory,
     };
-    let summary = parse_devices(Some(devices))?.0.run(Training {
+    let summary = parse_devices(Some(devices))?.0.run(TrainingJob {
         config: &config,
         options: &options,
     })?;
@@ -258,19 +258,6 @@ fn train_case(
         postprocess_ms: None,
         peak_mib: peak_mib(),
     })
-}
-
-/// [`train`] as a [`BackendJob`].
-struct Training<'a> {
-    config: &'a TrainConfig,
-    options: &'a RunOptions,
-}
-
-impl BackendJob for Training<'_> {
-    type Output = RunSummary;
-    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<RunSummary> {
-        train::<B>(self.config, &devices, self.options)
-    }
 }
 
 /// [`infer_case`] as a [`BackendJob`].

@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use data::shards::expand_patterns;
-use model::ops::SsdBackend;
 use train::config::TrainConfig;
-use train::devices::{BackendJob, check_memory, parse_devices};
-use train::learner::{RunOptions, RunSummary, train};
+use train::devices::{check_memory, parse_devices};
+use train::learner::{RunOptions, RunSummary, TrainingJob};
 use train::sync::{Cluster, TOKEN_ENV};
 
 use super::evaluate::print_metrics;
@@ -95,25 +94,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
         cluster: cluster(&args)?,
         repeat_first_batch: false,
     };
-    let summary = devices.run(Training {
+    let summary = devices.run(TrainingJob {
         config: &config,
         options: &options,
     })?;
     print_summary(&summary, &model_dir);
     Ok(())
-}
-
-/// [`train`] as a [`BackendJob`].
-struct Training<'a> {
-    config: &'a TrainConfig,
-    options: &'a RunOptions,
-}
-
-impl BackendJob for Training<'_> {
-    type Output = RunSummary;
-    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<RunSummary> {
-        train::<B>(self.config, &devices, self.options)
-    }
 }
 
 /// The config file with the command line's overrides, validated.

@@ -33,6 +33,7 @@ pub use self::replica::LossValues;
 use self::run_log::{RunLog, StepRecord};
 use crate::checkpoint;
 use crate::config::TrainConfig;
+use crate::devices::BackendJob;
 use crate::eval::Metrics;
 use crate::sync::{Bucketing, Cluster, GradientSync, InProcessAllReduce, TcpExchange};
 
@@ -127,6 +128,21 @@ pub fn train<B: SsdBackend>(
     let mut run = Run::new(config, options, devices, shape, parts, eval_index, progress);
     run.train()?;
     run.finish()
+}
+
+/// [`train`] as a [`BackendJob`], for [`crate::devices::Devices::run`].
+pub struct TrainingJob<'a> {
+    /// The config to train.
+    pub config: &'a TrainConfig,
+    /// How the run is driven.
+    pub options: &'a RunOptions,
+}
+
+impl BackendJob for TrainingJob<'_> {
+    type Output = RunSummary;
+    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<RunSummary> {
+        train::<B>(self.config, &devices, self.options)
+    }
 }
 
 /// How many replicas and machines take part, and which one this process is.
