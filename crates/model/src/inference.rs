@@ -79,20 +79,27 @@ pub struct Detector<B: Backend> {
     device: B::Device,
 }
 
+/// Checks `config` and that `model` was built from it (its class count), as everything that
+/// runs a network on its own config (the detector, the exports) needs.
+pub fn check_network<B: Backend>(config: &SsdConfig, model: &Ssd<B>) -> Result<()> {
+    config.validate()?;
+    if model.num_classes() != config.num_classes {
+        return Err(ModelError::InvalidConfig {
+            field: "num_classes",
+            problem: format!(
+                "is {} but the network has {}",
+                config.num_classes,
+                model.num_classes()
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl<B: SsdBackend> Detector<B> {
     /// Wraps an existing network (for instance one just trained).
     pub fn new(config: SsdConfig, model: Ssd<B>, device: &B::Device) -> Result<Self> {
-        config.validate()?;
-        if model.num_classes() != config.num_classes {
-            return Err(ModelError::InvalidConfig {
-                field: "num_classes",
-                problem: format!(
-                    "is {} but the network has {}",
-                    config.num_classes,
-                    model.num_classes()
-                ),
-            });
-        }
+        check_network(&config, &model)?;
         let anchors = anchors(&config);
         Ok(Self {
             config,

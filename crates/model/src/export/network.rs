@@ -7,7 +7,7 @@ use burn::tensor::backend::Backend;
 
 use crate::boxes::BBox;
 use crate::config::SsdConfig;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::layers::ConvBnRelu6;
 use crate::ops::SsdBackend;
 use crate::ssd::{Ssd, anchors};
@@ -111,17 +111,7 @@ const FEATURE_MAP_UNITS: [usize; 6] = [22, 26, 28, 30, 32, 34];
 impl FrozenNetwork {
     /// Freezes `model`, built from `config`.
     pub fn new<B: SsdBackend>(model: &Ssd<B>, config: &SsdConfig) -> Result<Self> {
-        config.validate()?;
-        if model.num_classes() != config.num_classes {
-            return Err(ModelError::InvalidConfig {
-                field: "num_classes",
-                problem: format!(
-                    "is {} but the network has {}",
-                    config.num_classes,
-                    model.num_classes()
-                ),
-            });
-        }
+        crate::inference::check_network(config, model)?;
         let trunk: Vec<FrozenConv> = model
             .conv_units()
             .into_iter()
