@@ -30,7 +30,7 @@ use train::learner::{RunOptions, TrainingJob};
 pub enum Case {
     /// Training steps of the pets model (37 classes, 300x300).
     Train {
-        /// `cpu`, `cpu:N` or a CUDA ordinal.
+        /// `cpu`, `cpu:N`, `wgpu`, `wgpu:0,1` or CUDA ordinals.
         devices: String,
         batch: usize,
         /// Confine the case to this many cores, its thread pool and its data loader alike
@@ -43,7 +43,7 @@ pub enum Case {
     },
     /// Forward pass of the pets model, optionally with post-processing.
     Infer {
-        /// `cpu` or a CUDA ordinal.
+        /// `cpu`, `wgpu` or a CUDA ordinal.
         #[serde(default = "cpu")]
         device: String,
         batch: usize,
@@ -365,7 +365,7 @@ fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured>
 }
 
 /// The cases `cargo xtask bench` runs: the CPU always, each CUDA device listed.
-pub fn cases(cuda_devices: &[usize], cores: usize) -> Vec<Case> {
+pub fn cases(cuda_devices: &[usize], wgpu: bool, cores: usize) -> Vec<Case> {
     let mut cases = Vec::new();
     let train = |devices: String, batch, threads, in_memory| Case::Train {
         devices,
@@ -373,6 +373,11 @@ pub fn cases(cuda_devices: &[usize], cores: usize) -> Vec<Case> {
         threads,
         in_memory,
     };
+    // each GPU alone, and with more than one CUDA device all of them (8 images each)
+    let mut gpus: Vec<String> = cuda_devices.iter().map(usize::to_string).collect();
+    if wgpu {
+        gpus.push("wgpu".into());
+    }
     for batch in [8, 24] {
         cases.push(train("cpu".into(), batch, 0, false));
         cases.push(train("cpu".into(), batch, 0, true));
@@ -381,14 +386,18 @@ pub fn cases(cuda_devices: &[usize], cores: usize) -> Vec<Case> {
             cases.push(train("cpu".into(), batch, 1, in_memory));
             cases.push(train("cpu:2".into(), batch, 0, in_memory));
         }
-        for d in cuda_devices {
-            cases.push(train(d.to_string(), batch, 0, false));
-            cases.push(train(d.to_string(), batch, 0, true));
+        for d in &gpus {
+            cases.push(train(d.clone(), batch, 0, false));
+            cases.push(train(d.clone(), batch, 0, true));
         }
     }
-    let devices =
-        std::iter::once("cpu".to_string()).chain(cuda_devices.iter().map(usize::to_string));
-    for device in devices {
+    if cuda_devices.len() > 1 {
+        let all = gpus[..cuda_devices.len()].join(",");
+        for in_memory in [false, true] {
+            cases.push(train(all.clone(), 8 * cuda_devices.len(), 0, in_memory));
+        }
+    }
+    for device in std::iter::once("cpu".to_string()).chain(gpus) {
         for (batch, postprocess) in [(1, false), (1, true), (8, false)] {
             cases.push(Case::Infer {
                 device: device.clone(),
@@ -584,7 +593,7 @@ mod tests {
 
     #[test]
     fn each_gpu_gets_the_training_and_inference_cases_of_the_cpu() {
-        let labels: Vec<_> = cases(&[0], 2).iter().map(Case::label).collect();
+        let labels: Vec<_> = cases(&[0], false, 2).iter().map(Case::label).collect();
         for batch in [8, 24] {
             for data in ["", ", batch in memory"] {
                 let train = format!("train --devices 0, batch {batch}{data}");
@@ -604,10 +613,25 @@ mod tests {
         let gpu = labels.iter().filter(|l| l.contains("--devices 0")).count();
         assert_eq!(gpu, 7, "{labels:?}");
         assert!(
-            cases(&[], 2)
+            cases(&[], false, 2)
                 .iter()
                 .all(|c| !c.label().contains("--devices 0"))
         );
+    }
+
+    /// Two CUDA devices add their pair at 8 images each, and `--wgpu` the wgpu cases.
+    #[test]
+    fn several_gpus_get_a_case_with_all_of_them_and_wgpu_its_own() {
+        let labels: Vec<_> = cases(&[0, 1], true, 2).iter().map(Case::label).collect();
+        for data in ["", ", batch in memory"] {
+            let pair = format!("train --devices 0,1, batch 16{data}");
+            assert!(labels.contains(&pair), "{pair} missing: {labels:?}");
+        }
+        let wgpu = labels
+            .iter()
+            .filter(|l| l.contains("--devices wgpu"))
+            .count();
+        assert_eq!(wgpu, 7, "{labels:?}");
     }
 
     #[test]

@@ -50,6 +50,10 @@ enum Command {
         /// Only the cases whose label contains this text (e.g. "train", "batch 8").
         #[arg(long)]
         only: Option<String>,
+        /// Also the cases on the default wgpu adapter (slow on a software driver such as
+        /// lavapipe).
+        #[arg(long)]
+        wgpu: bool,
     },
     /// One benchmark case (run by `bench` in a child process).
     #[command(hide = true)]
@@ -112,10 +116,15 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::PrepareData(args) => prepare(args),
         Command::Inspect { records } => inspect(&records),
-        Command::Bench { out, repeats, only } => {
+        Command::Bench {
+            out,
+            repeats,
+            only,
+            wgpu,
+        } => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let cuda: Vec<usize> = (0..train::devices::cuda_device_count()).collect();
-            let cases: Vec<_> = bench::cases(&cuda, cores)
+            let cases: Vec<_> = bench::cases(&cuda, wgpu, cores)
                 .into_iter()
                 .filter(|c| only.as_ref().is_none_or(|o| c.label().contains(o.as_str())))
                 .collect();

@@ -102,42 +102,117 @@ fn huber<B: Backend>(diff: Tensor<B, 3>, delta: f32) -> Tensor<B, 3> {
     small.clone().square().mul_scalar(0.5) + (abs - small).mul_scalar(delta)
 }
 
-/// Host-side targets of a batch, flattened for upload.
-struct BatchTargets {
-    labels: Vec<f32>,
-    class_weights: Vec<f32>,
-    box_codes: Vec<f32>,
-    box_weights: Vec<f32>,
+/// Values per anchor in [`PackedTargets`]: class id, class weight, four box codes, box
+/// weight.
+const PACKED: usize = 7;
+
+/// A batch's targets as one host buffer, uploaded in one transfer: per anchor the values of
+/// [`PACKED`]. The class ids travel as floats (exact up to 2^24) and become one-hot labels on
+/// the device, so the `[batch, anchors, classes]` labels never cross from the host.
+struct PackedTargets {
+    values: Vec<f32>,
+    /// Matched anchors (box weight above 0) over the batch.
+    num_matches: usize,
+    /// Sum of the box weights.
+    box_weight_sum: f32,
 }
 
-fn flatten_targets(targets: &[ImageTargets], num_classes: usize) -> BatchTargets {
+fn pack_targets(targets: &[ImageTargets], num_classes: usize) -> PackedTargets {
     let anchors = targets.first().map_or(0, |t| t.class_ids.len());
-    let n = targets.len() * anchors;
-    let mut out = BatchTargets {
-        labels: vec![0.0; n * (num_classes + 1)],
-        class_weights: Vec::with_capacity(n),
-        box_codes: Vec::with_capacity(n * 4),
-        box_weights: Vec::with_capacity(n),
+    let mut out = PackedTargets {
+        values: Vec::with_capacity(targets.len() * anchors * PACKED),
+        num_matches: 0,
+        box_weight_sum: 0.0,
     };
-    for (i, &t) in targets.iter().flat_map(|t| t.class_ids.iter()).enumerate() {
-        // a larger id would set a label in the next anchor's row; the data loader refuses
-        // labels outside 1..=num_classes naming the record, so one here is a caller's bug
-        assert!(
-            t <= num_classes,
-            "class id {t} above num_classes {num_classes} in the targets"
-        );
-        out.labels[i * (num_classes + 1) + t] = 1.0;
-    }
     for t in targets {
-        out.class_weights.extend(&t.class_weights);
-        out.box_weights.extend(&t.box_weights);
-        out.box_codes.extend(t.box_codes.iter().flatten());
+        for (a, &id) in t.class_ids.iter().enumerate() {
+            // a larger id would mark no class (or, before the labels were made on the
+            // device, the next anchor's); the data loader refuses labels outside
+            // 1..=num_classes naming the record, so one here is a caller's bug
+            assert!(
+                id <= num_classes,
+                "class id {id} above num_classes {num_classes} in the targets"
+            );
+            let box_weight = t.box_weights[a];
+            out.values.extend([id as f32, t.class_weights[a]]);
+            out.values.extend(t.box_codes[a]);
+            out.values.push(box_weight);
+            out.num_matches += usize::from(box_weight > 0.0);
+            out.box_weight_sum += box_weight;
+        }
     }
     out
 }
 
+/// The device side of [`PackedTargets`]: `(labels [batch, anchors, classes] one-hot,
+/// class weights [batch, anchors], box codes [batch, anchors, 4], box weights)`.
+fn unpack_targets<B: Backend>(
+    packed: Tensor<B, 3>,
+    classes: usize,
+) -> (Tensor<B, 3>, Tensor<B, 2>, Tensor<B, 3>, Tensor<B, 2>) {
+    let [batch, anchors, _] = packed.dims();
+    let column = |from: usize| packed.clone().narrow(2, from, 1).reshape([batch, anchors]);
+    // the class index of each label column, made on the device: 0, 1, ... (exact in f32)
+    let positions = Tensor::<B, 3>::ones([1, 1, classes], &packed.device())
+        .cumsum(2)
+        .sub_scalar(1.0)
+        .expand([batch, anchors, classes]);
+    let ids = packed
+        .clone()
+        .narrow(2, 0, 1)
+        .expand([batch, anchors, classes]);
+    let labels = positions.equal(ids).float();
+    (labels, column(1), packed.clone().narrow(2, 2, 4), column(6))
+}
+
+/// Indices of the anchors hard example mining keeps in each image, and the negatives among
+/// them over the batch. What the miner reads (each anchor's mining loss and box encoding)
+/// comes back from the device in one transfer.
+fn mine_batch<B: Backend>(
+    (config, miner): (&LossConfig, &HardExampleMinerConfig),
+    coder: &BoxCoder,
+    anchors: &[BBox],
+    [cls_per_anchor, loc_per_anchor]: [Tensor<B, 2>; 2],
+    box_encodings: Tensor<B, 3>,
+    targets: &[ImageTargets],
+) -> (Vec<f32>, usize) {
+    let [batch, num_anchors, _] = box_encodings.dims();
+    let losses = match miner.loss_type {
+        MinerLossType::Classification => cls_per_anchor,
+        MinerLossType::Localization => loc_per_anchor,
+        MinerLossType::Both => {
+            cls_per_anchor.mul_scalar(config.classification_weight)
+                + loc_per_anchor.mul_scalar(config.localization_weight)
+        }
+    };
+    let codes = box_encodings.reshape([batch, num_anchors * 4]);
+    let host = to_vec(Tensor::cat(vec![losses, codes], 1));
+    let row = num_anchors * 5;
+    // images mined in parallel
+    let kept: Vec<Vec<usize>> = targets
+        .par_iter()
+        .enumerate()
+        .map(|(b, t)| {
+            let (losses, codes) = host[b * row..(b + 1) * row].split_at(num_anchors);
+            let boxes = coder.decode_all(codes, anchors);
+            mine_hard_examples(miner, losses, &boxes, &t.matches)
+        })
+        .collect();
+    let mut mask = vec![0.0f32; batch * num_anchors];
+    let mut negatives = 0;
+    for (b, (t, kept)) in targets.iter().zip(kept).enumerate() {
+        for i in kept {
+            mask[b * num_anchors + i] = 1.0;
+            negatives += usize::from(t.matches[i] == Match::Unmatched);
+        }
+    }
+    (mask, negatives)
+}
+
 /// Classification and localization loss of a batch of predictions against its targets.
-/// Returns `(classification, localization, num_matches, num_mined_negatives)`.
+/// Returns `(classification, localization, num_matches, num_mined_negatives)`. Crossing
+/// between host and device: the targets go up in one transfer; with hard example mining,
+/// what the miner reads comes down in one and the kept anchors go up in one.
 pub fn detection_loss<B: SsdBackend>(
     config: &LossConfig,
     coder: &BoxCoder,
@@ -149,30 +224,18 @@ pub fn detection_loss<B: SsdBackend>(
     assert_eq!(targets.len(), batch, "one target set per image");
     assert_eq!(num_anchors, anchors.len(), "one anchor per prediction");
     let device = predictions.class_logits.device();
-    let flat = flatten_targets(targets, classes_bg - 1);
-    let labels = Tensor::<B, 3>::from_data(
-        TensorData::new(flat.labels, [batch, num_anchors, classes_bg]),
-        &device,
-    );
-    let class_weights = Tensor::<B, 2>::from_data(
-        TensorData::new(flat.class_weights, [batch, num_anchors]),
-        &device,
-    );
-    let box_codes = Tensor::<B, 3>::from_data(
-        TensorData::new(flat.box_codes, [batch, num_anchors, 4]),
-        &device,
-    );
-    let box_weights_host = flat.box_weights;
-    let num_matches = box_weights_host.iter().filter(|&&w| w > 0.0).count();
+    let packed = pack_targets(targets, classes_bg - 1);
+    let num_matches = packed.num_matches;
     let normalizer = if config.normalize_loss_by_num_matches {
-        box_weights_host.iter().sum::<f32>().max(1.0)
+        packed.box_weight_sum.max(1.0)
     } else {
         1.0
     };
-    let box_weights = Tensor::<B, 2>::from_data(
-        TensorData::new(box_weights_host, [batch, num_anchors]),
+    let packed = Tensor::<B, 3>::from_data(
+        TensorData::new(packed.values, [batch, num_anchors, PACKED]),
         &device,
     );
+    let (labels, class_weights, box_codes, box_weights) = unpack_targets(packed, classes_bg);
 
     let cls_per_anchor: Tensor<B, 2> =
         sigmoid_cross_entropy(predictions.class_logits.clone(), labels) * class_weights;
@@ -187,48 +250,19 @@ pub fn detection_loss<B: SsdBackend>(
     let (mask, mined_negatives) = match &config.hard_example_miner {
         None => (None, 0),
         Some(miner) => {
-            let cls_host = to_vec(cls_per_anchor.clone());
-            let loc_host = to_vec(loc_per_anchor.clone());
-            let codes = to_vec(predictions.box_encodings.clone());
-            // images mined in parallel
-            let kept: Vec<Vec<usize>> = targets
-                .par_iter()
-                .enumerate()
-                .map(|(b, t)| {
-                    let range = b * num_anchors..(b + 1) * num_anchors;
-                    let losses: Vec<f32> = match miner.loss_type {
-                        MinerLossType::Classification => cls_host[range.clone()].to_vec(),
-                        MinerLossType::Localization => loc_host[range.clone()].to_vec(),
-                        MinerLossType::Both => cls_host[range.clone()]
-                            .iter()
-                            .zip(&loc_host[range.clone()])
-                            .map(|(c, l)| {
-                                c * config.classification_weight + l * config.localization_weight
-                            })
-                            .collect(),
-                    };
-                    let boxes = coder.decode_all(
-                        &codes[b * num_anchors * 4..(b + 1) * num_anchors * 4],
-                        anchors,
-                    );
-                    mine_hard_examples(miner, &losses, &boxes, &t.matches)
-                })
-                .collect();
-            let mut mask = vec![0.0f32; batch * num_anchors];
-            let mut negatives = 0;
-            for (b, (t, kept)) in targets.iter().zip(kept).enumerate() {
-                for i in kept {
-                    mask[b * num_anchors + i] = 1.0;
-                    negatives += usize::from(t.matches[i] == Match::Unmatched);
-                }
-            }
-            (
-                Some(Tensor::<B, 2>::from_data(
-                    TensorData::new(mask, [batch, num_anchors]),
-                    &device,
-                )),
-                negatives,
-            )
+            let (mask, negatives) = mine_batch(
+                (config, miner),
+                coder,
+                anchors,
+                [
+                    cls_per_anchor.clone().detach(),
+                    loc_per_anchor.clone().detach(),
+                ],
+                predictions.box_encodings.clone().detach(),
+                targets,
+            );
+            let mask = TensorData::new(mask, [batch, num_anchors]);
+            (Some(Tensor::<B, 2>::from_data(mask, &device)), negatives)
         }
     };
     let (cls_sum, loc_sum) = match mask {
@@ -363,16 +397,32 @@ mod tests {
         }
     }
 
+    /// The packed targets become one-hot labels on the device, each in its anchor's row, and
+    /// the weights and codes land in their own columns.
     #[test]
-    fn one_hot_targets_stay_in_their_anchor_row() {
-        let flat = flatten_targets(&[targets_with_class(2)], 2);
-        assert_eq!(flat.labels, vec![0.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
+    fn packed_targets_unpack_into_labels_weights_and_codes() {
+        use burn::backend::Flex;
+        let mut targets = targets_with_class(2);
+        targets.box_codes[0] = [0.5, -1.0, 2.0, 0.25];
+        targets.class_weights[1] = 0.5;
+        let packed = pack_targets(&[targets], 2);
+        assert_eq!((packed.num_matches, packed.box_weight_sum), (1, 1.0));
+        let data = TensorData::new(packed.values, [1, 2, PACKED]);
+        let packed = Tensor::<Flex, 3>::from_data(data, &Default::default());
+        let (labels, class_weights, codes, box_weights) = unpack_targets(packed, 3);
+        assert_eq!(to_vec(labels), vec![0.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
+        assert_eq!(to_vec(class_weights), vec![1.0, 0.5]);
+        assert_eq!(
+            to_vec(codes),
+            vec![0.5, -1.0, 2.0, 0.25, 0.0, 0.0, 0.0, 0.0]
+        );
+        assert_eq!(to_vec(box_weights), vec![1.0, 0.0]);
     }
 
     #[test]
     #[should_panic(expected = "class id 3 above num_classes 2 in the targets")]
     fn a_class_id_above_num_classes_is_refused() {
-        flatten_targets(&[targets_with_class(3)], 2);
+        pack_targets(&[targets_with_class(3)], 2);
     }
 
     #[test]

@@ -1,17 +1,17 @@
 //! A small model overfits one synthetic batch on the CPU: the loss falls by more than 90% and
-//! the detector then finds the batch's objects.
+//! the detector then finds the batch's objects. On the CPU kernels (burn-flex) and on the
+//! generic operations the GPU backends run (burn-ndarray, which takes every default).
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamConfig, Optimizer};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 use model::config::BatchNormConfig;
 use model::loss::compute_loss;
+use model::ops::SsdBackend;
 use model::ssd::anchors;
 use model::targets::{GroundTruth, assign_targets};
 use model::{BBox, Detector, SsdConfig};
-
-type B = Autodiff<Flex>;
 
 const SIZE: usize = 96;
 
@@ -63,6 +63,15 @@ fn batch() -> (Vec<f32>, Vec<Vec<GroundTruth>>) {
 
 #[test]
 fn small_model_overfits_one_batch() {
+    overfits::<Flex>();
+}
+
+#[test]
+fn small_model_overfits_one_batch_on_the_generic_operations() {
+    overfits::<NdArray>();
+}
+
+fn overfits<I: SsdBackend>() {
     let config = SsdConfig {
         num_classes: 2,
         image_size: [SIZE, SIZE],
@@ -81,14 +90,15 @@ fn small_model_overfits_one_batch() {
         .iter()
         .map(|g| assign_targets(&config.matcher, &config.box_coder(), &anchors, g))
         .collect();
-    let images = Tensor::<B, 4>::from_data(TensorData::new(pixels, [2, 3, SIZE, SIZE]), &device);
-    let mut net = config.init::<B>(42, &device).unwrap();
+    let images =
+        Tensor::<Autodiff<I>, 4>::from_data(TensorData::new(pixels, [2, 3, SIZE, SIZE]), &device);
+    let mut net = config.init::<Autodiff<I>>(42, &device).unwrap();
     let mut optim = AdamConfig::new().init();
     let mut first = None;
     let mut last = f32::MAX;
     for _ in 0..300 {
         let loss = compute_loss(&net, &config, &anchors, images.clone(), &targets);
-        let total: f32 = loss.total.clone().into_scalar();
+        let total: f32 = loss.total.clone().into_scalar().elem();
         first.get_or_insert(total);
         last = total;
         let grads = loss.gradients(&net);

@@ -1,13 +1,18 @@
 //! The learner end to end on the CPU, with tiny networks: replicas stay identical, one or two
 //! replicas equal one device averaging the micro-batch gradients (clipped by global norm),
 //! kill-and-resume gives the uninterrupted result, checkpoints resume on another replica
-//! count, a diverging run stops naming the step.
+//! count, a diverging run stops naming the step; replicas against a manual step also on the
+//! generic operations the GPU backends run.
+
+mod common;
+
+use common::{config, max_diff, prepare, sampled_weights};
 
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::Optimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -15,71 +20,29 @@ use burn::tensor::Tensor;
 use data::loader::{Loader, LoaderConfig, Position};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
+use model::Ssd;
 use model::loss::compute_loss;
+use model::ops::SsdBackend;
 use model::targets::assign_targets;
 use model::weights::load_weights;
-use model::{Ssd, SsdConfig};
 use prost::Message;
-use train::config::{
-    DataSettings, EvalSettings, LearningRate, OptimizerConfig, TrainConfig, TrainSettings,
-};
+use train::config::{LearningRate, OptimizerConfig, TrainConfig};
 use train::learner::{RunOptions, RunSummary, train};
-use train::optim::{TfOptimizer, clip_by_global_norm};
+use train::optim::{TfOptimizer, clip_by_global_norm, squared_global_norm};
 use train::report::events::Event;
 use train::sync::{Bucketing, flatten_gradients, unflatten_gradients};
 
 type B = Flex;
 
-fn prepare(dir: &Path) {
-    data::prepare::prepare_synthetic(dir, 3, 24, 6, 2, &|_, _| {}).unwrap();
-}
-
-fn config(dir: &Path, steps: u64) -> TrainConfig {
-    TrainConfig {
-        model: SsdConfig {
-            num_classes: 2,
-            image_size: [64, 64],
-            depth_multiplier: 0.25,
-            ..Default::default()
-        },
-        train: TrainSettings {
-            batch_size: 4,
-            num_steps: steps,
-            optimizer: OptimizerConfig::RmsProp {
-                learning_rate: LearningRate::Constant {
-                    learning_rate: 0.002,
-                },
-                momentum: 0.9,
-                decay: 0.9,
-                epsilon: 1.0,
-            },
-            moving_average_decay: None,
-            moving_average_warmup: true,
-            gradient_clipping_by_norm: None,
-            fine_tune_checkpoint: None,
-            fine_tune_restore: model::restore::RestoreScope::All,
-            seed: 5,
-            checkpoint_every: 2,
-            keep_checkpoints: 5,
-            log_every: 1,
-        },
-        data: DataSettings {
-            train: vec![format!("{}/train.record-*", dir.display())],
-            eval: vec![format!("{}/val.record-*", dir.display())],
-            augmentation: vec![data::augment::Augmentation::RandomHorizontalFlip],
-            workers: 1,
-            prefetch: 2,
-            synthetic_if_missing: false,
-        },
-        eval: EvalSettings {
-            every: 0,
-            max_images: 6,
-            batch_size: 3,
-        },
-    }
-}
-
 fn run(config: &TrainConfig, model_dir: &Path, replicas: usize) -> anyhow::Result<RunSummary> {
+    run_on::<B>(config, model_dir, replicas)
+}
+
+fn run_on<I: SsdBackend>(
+    config: &TrainConfig,
+    model_dir: &Path,
+    replicas: usize,
+) -> anyhow::Result<RunSummary> {
     let options = RunOptions {
         model_dir: model_dir.to_path_buf(),
         stop: Arc::new(AtomicBool::new(false)),
@@ -87,7 +50,7 @@ fn run(config: &TrainConfig, model_dir: &Path, replicas: usize) -> anyhow::Resul
         cluster: None,
         repeat_first_batch: false,
     };
-    train::<B>(config, &vec![Default::default(); replicas], &options)
+    train::<I>(config, &vec![Default::default(); replicas], &options)
 }
 
 fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
@@ -95,37 +58,6 @@ fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
     let net: Ssd<B> =
         load_weights(&config.model, &dir.join("model.mpk"), &Default::default()).unwrap();
     sampled_weights(&net)
-}
-
-/// The first convolution's filters, the first class head's filters and the first
-/// BatchNorm's moving variance, one after the other.
-fn sampled_weights(net: &Ssd<B>) -> Vec<f32> {
-    let mut all = Vec::new();
-    for w in [
-        net.backbone.conv0.conv.weight.val(),
-        net.class_heads[0].weight.val(),
-    ] {
-        all.extend(w.into_data().to_vec::<f32>().unwrap());
-    }
-    all.extend(
-        net.backbone
-            .conv0
-            .bn
-            .moving_stats()
-            .1
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap(),
-    );
-    all
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -218,14 +150,14 @@ fn three_replicas_stay_identical_and_evaluate() {
 /// done by hand: each part's gradients, their mean, clipped, one optimizer step; BatchNorm
 /// statistics averaged; and that clipping mattered (the weights are not those of the same
 /// step without clipping).
-fn learner_equals_manual_step(replicas: usize) {
+fn learner_equals_manual_step<B: SsdBackend>(replicas: usize) {
     let clip = 1e-3;
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
     let runs = tempfile::tempdir().unwrap();
     let mut c = config(data.path(), 1);
     c.train.gradient_clipping_by_norm = Some(clip);
-    run(&c, runs.path(), replicas).unwrap();
+    run_on::<B>(&c, runs.path(), replicas).unwrap();
     let from_learner = weights(&c, runs.path());
 
     let device = Default::default();
@@ -288,7 +220,8 @@ fn learner_equals_manual_step(replicas: usize) {
     let manual = |clip: Option<f32>| {
         let mut grads = unflatten_gradients::<Autodiff<B>>(&layout, mean.clone());
         if let Some(clip) = clip {
-            grads = clip_by_global_norm(&base, grads, clip);
+            let norm = squared_global_norm(&base, &grads).expect("gradients");
+            grads = clip_by_global_norm(&base, grads, clip, norm);
         }
         let mut optim: OptimizerAdaptor<TfOptimizer, Ssd<Autodiff<B>>, Autodiff<B>> =
             OptimizerAdaptor::from(TfOptimizer::from(&c.train.optimizer));
@@ -307,12 +240,19 @@ fn learner_equals_manual_step(replicas: usize) {
 
 #[test]
 fn two_replicas_equal_gradient_averaging_on_one_device() {
-    learner_equals_manual_step(2);
+    learner_equals_manual_step::<Flex>(2);
 }
 
 #[test]
 fn one_replica_equals_its_own_gradients() {
-    learner_equals_manual_step(1);
+    learner_equals_manual_step::<Flex>(1);
+}
+
+/// The same on the generic operations the GPU backends run (burn-ndarray takes every
+/// default), the loss gradient and the heads' backward pass included.
+#[test]
+fn two_replicas_equal_gradient_averaging_on_the_generic_operations() {
+    learner_equals_manual_step::<NdArray>(2);
 }
 
 /// A run "killed" after step 2 and resumed from its checkpoint ends where the same run

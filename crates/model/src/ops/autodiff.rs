@@ -155,6 +155,10 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
         B::on_compute_thread(f)
     }
 
+    fn copies_device_to_device() -> bool {
+        B::copies_device_to_device()
+    }
+
     fn sigmoid_cross_entropy(
         logits: FloatTensor<Self>,
         labels: FloatTensor<Self>,

@@ -306,10 +306,31 @@ pub trait SsdBackend: Backend {
     fn on_compute_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         f()
     }
+
+    /// Whether `Tensor::to_device` can copy between two distinct devices of this backend on
+    /// this machine. Burn 0.21 implements it only between CUDA devices, with NCCL
+    /// point-to-point, so it needs libnccl at run time; wgpu's panics (`comm_init` is not
+    /// implemented). Where it cannot, callers stage the copy through the host.
+    fn copies_device_to_device() -> bool {
+        false
+    }
 }
 
 #[cfg(feature = "cuda")]
-impl SsdBackend for burn::backend::Cuda {}
+impl SsdBackend for burn::backend::Cuda {
+    fn copies_device_to_device() -> bool {
+        // SAFETY: only probes whether the NCCL library can be loaded.
+        unsafe { cudarc::nccl::sys::is_culib_present() }
+    }
+}
+
+#[cfg(feature = "wgpu")]
+impl SsdBackend for burn::backend::Wgpu {}
+
+/// burn-ndarray with every default: the generic code the GPU backends run, on the CPU, for
+/// the tests.
+#[cfg(any(test, feature = "generic-backend"))]
+impl SsdBackend for burn::backend::NdArray {}
 
 fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
@@ -441,5 +462,7 @@ pub fn half_squared_norm<B: SsdBackend, const D: usize>(x: Tensor<B, D>) -> Tens
     tensor(B::half_squared_norm(prim(x)))
 }
 
+#[cfg(test)]
+mod generic_tests;
 #[cfg(test)]
 mod tests;

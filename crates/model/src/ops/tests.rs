@@ -20,7 +20,7 @@ fn values<const D: usize, B: burn::tensor::backend::Backend>(t: Tensor<B, D>) ->
     t.into_data().convert::<f32>().to_vec().expect("f32 data")
 }
 
-fn assert_close(what: &str, got: Vec<f32>, want: Vec<f32>, tol: f32) {
+pub(super) fn assert_close(what: &str, got: Vec<f32>, want: Vec<f32>, tol: f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -32,9 +32,9 @@ fn assert_close(what: &str, got: Vec<f32>, want: Vec<f32>, tol: f32) {
 }
 
 /// Input shape, output channels, kernel, stride, depthwise, bias.
-type ConvCase = ([usize; 4], usize, usize, usize, bool, bool);
+pub(super) type ConvCase = ([usize; 4], usize, usize, usize, bool, bool);
 
-const CONVS: &[ConvCase] = &[
+pub(super) const CONVS: &[ConvCase] = &[
     ([2, 5, 7, 6], 4, 1, 1, false, false),
     ([2, 5, 7, 6], 4, 1, 1, false, true),
     ([2, 3, 9, 8], 6, 3, 2, false, false),
@@ -69,7 +69,7 @@ const CONVS: &[ConvCase] = &[
 ];
 
 /// The filter bank of a [`ConvCase`]: `[out, in, k, k]`, depthwise `[in, 1, k, k]`.
-fn filter_shape(shape: [usize; 4], out: usize, k: usize, depthwise: bool) -> [usize; 4] {
+pub(super) fn filter_shape(shape: [usize; 4], out: usize, k: usize, depthwise: bool) -> [usize; 4] {
     if depthwise {
         [shape[1], 1, k, k]
     } else {

@@ -27,7 +27,7 @@ pub struct DetectArgs {
     /// At most this many detections per image.
     #[arg(long, default_value_t = 20)]
     max_detections: usize,
-    /// Device: `cpu` or a CUDA ordinal.
+    /// Device: `cpu`, `wgpu` (`wgpu:i`: the i-th wgpu device) or a CUDA ordinal.
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Image files, folders or glob patterns.

@@ -36,7 +36,7 @@ pub struct EvalArgs {
     /// COCO results JSON (`[{image_id, category_id, bbox, score}]`).
     #[arg(long, requires = "ground_truth")]
     detections: Option<PathBuf>,
-    /// Device: `cpu` or a CUDA ordinal.
+    /// Device: `cpu`, `wgpu` (`wgpu:i`: the i-th wgpu device) or a CUDA ordinal.
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Write the metrics as JSON here.

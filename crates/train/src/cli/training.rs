@@ -16,8 +16,10 @@ use super::evaluate::print_metrics;
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
-    /// Devices: CUDA ordinals `0,1`, `cpu` (one replica) or `cpu:N` (N replicas on the CPU,
-    /// through the same data-parallel path). Default: every CUDA device found, else `cpu`.
+    /// Devices: CUDA ordinals `0,1`, `cpu` (one replica), `cpu:N` (N replicas on the CPU,
+    /// through the same data-parallel path), `wgpu` (a Vulkan, Metal or DirectX 12 GPU) or
+    /// `wgpu:0,1` (two wgpu devices, on one GPU or several). Default: every CUDA device found,
+    /// else `cpu`.
     #[arg(long)]
     devices: Option<String>,
     /// Training config (JSON).

@@ -28,14 +28,14 @@ use model::ops::SsdBackend;
 
 use self::batches::Batches;
 use self::checkpointing::{RunState, Saved};
-use self::pool::{Blueprint, ReplicaPool};
+use self::pool::{Blueprint, ReplicaPool, StepCommand};
 pub use self::replica::LossValues;
 use self::run_log::{RunLog, StepRecord};
 use crate::checkpoint;
 use crate::config::TrainConfig;
 use crate::devices::BackendJob;
 use crate::eval::Metrics;
-use crate::sync::{Bucketing, Cluster, GradientSync, InProcessAllReduce, TcpExchange};
+use crate::sync::{Bucketing, Cluster, GradientSync, InProcessAllReduce, TcpExchange, Transfer};
 
 /// How a run is driven.
 #[derive(Debug, Clone)]
@@ -101,7 +101,15 @@ pub fn train<B: SsdBackend>(
     ));
     let start = start::starting_point::<B>(config, &options.model_dir, &devices[0], &log)?;
     let fingerprint = run_fingerprint(config, &index)?;
-    let sync = connect::<B>(options.cluster.as_ref(), shape.replicas, &fingerprint, &log)?;
+    let transfer = Transfer::between::<B>(devices);
+    if devices.len() > 1 {
+        log.say(format!(
+            "exchange between replicas: {}",
+            transfer.describe()
+        ));
+    }
+    let exchange = (shape.replicas, transfer);
+    let sync = connect::<B>(options.cluster.as_ref(), exchange, &fingerprint, &log)?;
     let pool = ReplicaPool::start(
         devices,
         &Blueprint {
@@ -199,12 +207,12 @@ fn record_indexes(config: &TrainConfig) -> Result<(RecordIndex, Option<RecordInd
 /// multi-node run.
 fn connect<B: SsdBackend>(
     cluster: Option<&Cluster>,
-    replicas: usize,
+    (replicas, transfer): (usize, Transfer),
     fingerprint: &str,
     log: &RunLog,
 ) -> Result<Arc<dyn GradientSync<B>>> {
     let Some(cluster) = cluster else {
-        return Ok(Arc::new(InProcessAllReduce::<B>::new(replicas)));
+        return Ok(Arc::new(InProcessAllReduce::<B>::new(replicas, transfer)));
     };
     let (rank, nodes) = (cluster.rank, cluster.nodes);
     log.say(format!(
@@ -215,6 +223,7 @@ fn connect<B: SsdBackend>(
     log.say(format!("node {rank} of {nodes}: all nodes connected"));
     Ok(Arc::new(InProcessAllReduce::<B>::across_nodes(
         replicas,
+        transfer,
         Arc::new(exchange),
     )))
 }
@@ -349,45 +358,77 @@ impl<'a, B: SsdBackend> Run<'a, B> {
     fn train(&mut self) -> Result<()> {
         let train = &self.config.train;
         while self.progress.step < train.num_steps && !self.progress.stopping {
-            let loss = self.step()?;
+            self.step()?;
             let step = self.progress.step;
-            if step.is_multiple_of(train.log_every) || step == train.num_steps {
-                self.log_step(loss)?;
+            if self.logs(step) {
+                self.log_step()?;
             }
-            let eval_due =
-                self.config.eval.every > 0 && step.is_multiple_of(self.config.eval.every);
-            if step.is_multiple_of(train.checkpoint_every) || eval_due {
+            if self.checkpoints(step) {
                 self.checkpoint()?;
             }
-            if eval_due {
+            if self.evaluates(step) {
                 self.evaluate()?;
             }
         }
         Ok(())
     }
 
+    fn logs(&self, step: u64) -> bool {
+        let train = &self.config.train;
+        step.is_multiple_of(train.log_every) || step == train.num_steps
+    }
+
+    fn evaluates(&self, step: u64) -> bool {
+        self.config.eval.every > 0 && step.is_multiple_of(self.config.eval.every)
+    }
+
+    fn checkpoints(&self, step: u64) -> bool {
+        step.is_multiple_of(self.config.train.checkpoint_every) || self.evaluates(step)
+    }
+
+    /// Whether step `step` (counted from 1) reads its loss back from the device: a step that
+    /// is logged, checkpointed or evaluated, the last one, one after a stop request, and
+    /// every step of a multi-node run (whose stop requests travel with the loss). The others
+    /// leave it on the device: one blocking read fewer per step.
+    fn reads_loss(&self, step: u64, stop: bool) -> bool {
+        self.options.cluster.is_some()
+            || stop
+            || self.logs(step)
+            || self.checkpoints(step)
+            || step == self.config.train.num_steps
+    }
+
     /// One step of every replica on its part of the next batch.
-    fn step(&mut self) -> Result<LossValues> {
+    fn step(&mut self) -> Result<()> {
         let step_start = Instant::now();
         let batch = self.batches.next()?;
         self.timing.data_wait_seconds += step_start.elapsed().as_secs_f64();
+        let stop = self.options.stop.load(Ordering::Relaxed);
+        let read_loss = self.reads_loss(self.progress.step + 1, stop);
         let p = &mut self.progress;
         p.position = batch.next_position;
         p.learning_rate = self.config.train.optimizer.learning_rate().at(p.step);
-        let stop = self.options.stop.load(Ordering::Relaxed);
         let parts = batch.split(self.shape.replicas);
-        let outcome = self.pool.step(parts, p.learning_rate, p.step, stop)?;
-        let loss = outcome.loss;
-        if !loss.total.is_finite() {
-            let kept = checkpoint::latest(&self.options.model_dir)?
-                .map_or("none".into(), |p| p.display().to_string());
-            bail!(
-                "the loss is {} at step {} (classification {}, localization {}); stopped, last good checkpoint: {kept}",
-                loss.total,
-                p.step,
-                loss.classification,
-                loss.localization
-            );
+        let command = StepCommand {
+            learning_rate: p.learning_rate,
+            step: p.step,
+            stop,
+            read_loss,
+        };
+        let outcome = self.pool.step(parts, command)?;
+        if let Some(loss) = outcome.loss {
+            if !loss.total.is_finite() {
+                let kept = checkpoint::latest(&self.options.model_dir)?
+                    .map_or("none".into(), |p| p.display().to_string());
+                bail!(
+                    "the loss is {} at step {} (classification {}, localization {}); stopped, last good checkpoint: {kept}",
+                    loss.total,
+                    p.step,
+                    loss.classification,
+                    loss.localization
+                );
+            }
+            self.latest.loss = loss;
         }
         p.stopping |= outcome.stop;
         p.step += 1;
@@ -396,13 +437,13 @@ impl<'a, B: SsdBackend> Run<'a, B> {
             .step_seconds
             .push(step_start.elapsed().as_secs_f64());
         self.timing.window.1 += 1;
-        self.latest.loss = loss;
-        Ok(loss)
+        Ok(())
     }
 
     /// The progress line and records of the step just taken, over the window since the
     /// last one.
-    fn log_step(&mut self, loss: LossValues) -> Result<()> {
+    fn log_step(&mut self) -> Result<()> {
+        let loss = self.latest.loss;
         let (since, steps) = self.timing.window;
         let secs = since.elapsed().as_secs_f64();
         let num_steps = self.config.train.num_steps;

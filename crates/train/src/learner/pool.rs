@@ -34,6 +34,18 @@ pub(super) struct ReplicaPool<B: SsdBackend> {
     handles: Vec<JoinHandle<()>>,
 }
 
+/// What every replica is told for one step.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StepCommand {
+    pub learning_rate: f64,
+    /// The step about to be taken (counted from 0).
+    pub step: u64,
+    /// This process was asked to stop after the step.
+    pub stop: bool,
+    /// Read the loss back from the device.
+    pub read_loss: bool,
+}
+
 /// What every replica is built from.
 pub(super) struct Blueprint<'a, B: SsdBackend> {
     pub config: &'a Arc<TrainConfig>,
@@ -89,19 +101,14 @@ impl<B: SsdBackend> ReplicaPool<B> {
     }
 
     /// One training step, each replica on its part of the batch (`parts` in replica order).
-    pub fn step(
-        &self,
-        parts: Vec<Batch>,
-        learning_rate: f64,
-        step: u64,
-        stop: bool,
-    ) -> Result<Stepped> {
+    pub fn step(&self, parts: Vec<Batch>, command: StepCommand) -> Result<Stepped> {
         let mut parts = parts.into_iter();
         let replies = self.broadcast(&mut |_| Command::Step {
             batch: parts.next().expect("one part per replica"),
-            learning_rate,
-            step,
-            stop,
+            learning_rate: command.learning_rate,
+            step: command.step,
+            stop: command.stop,
+            read_loss: command.read_loss,
         })?;
         // every replica holds the loss averaged over all replicas; the exchange time is theirs
         let mut outcome: Option<Stepped> = None;

@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use crate::config::TrainConfig;
 use crate::optim::ema::Ema;
-use crate::optim::{TfOptimizer, clip_by_global_norm};
+use crate::optim::{TfOptimizer, clip_by_global_norm, squared_global_norm};
 use crate::sync::{
     Bucketing, GradientSync, bn_stats_flat, flatten_gradients, set_bn_stats_flat,
     unflatten_gradients, weight_checksum,
@@ -64,6 +64,9 @@ pub(super) enum Command {
         step: u64,
         /// This process was asked to stop (Ctrl-C) after this step.
         stop: bool,
+        /// Read the loss back from the device (a logging, checkpoint or last step, or every
+        /// step of a multi-node run, whose stop requests travel with it).
+        read_loss: bool,
     },
     /// Check that every replica everywhere starts from the same step and weights.
     Join { step: u64 },
@@ -83,8 +86,8 @@ pub(super) enum Reply<B: Backend> {
 /// The outcome of a step, the same on every replica.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Stepped {
-    /// The loss parts, averaged over all replicas.
-    pub loss: LossValues,
+    /// The loss parts, averaged over all replicas, where the step read them.
+    pub loss: Option<LossValues>,
     /// Seconds this replica spent in the exchange.
     pub sync_seconds: f64,
     /// Some process of the run was asked to stop: every one stops after this step.
@@ -115,6 +118,27 @@ pub(super) struct Replica<B: SsdBackend> {
     pub bucketing: Bucketing,
 }
 
+type StepResult<B> = Result<Reply<B>, String>;
+
+/// What a step reads back to the host.
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    /// This process was asked to stop after the step.
+    stop: bool,
+    /// Read the averaged tail (loss parts, stop requests, target counts).
+    loss: bool,
+}
+
+/// A step's gradients after the exchange.
+struct Averaged<B: Backend> {
+    grads: GradientsParams,
+    /// The averaged tail, on the device.
+    tail: Tensor<B, 1>,
+    /// The squared global norm of `grads`, when clipping needs it.
+    squared_norm: Option<Tensor<B, 1>>,
+    sync_seconds: f64,
+}
+
 /// The values of a small tensor, on the host.
 fn to_host<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, String> {
     t.into_data()
@@ -137,22 +161,26 @@ impl<B: SsdBackend> Replica<B> {
         batch: Batch,
         learning_rate: f64,
         step: u64,
-        stop: bool,
-    ) -> Result<Reply<B>, String> {
-        let (grads, tail) = self.gradients(batch, stop);
-        let (grads, mean, sync_seconds) = self.average(grads, tail)?;
-        self.apply(grads, learning_rate, step);
+        read: Reading,
+    ) -> StepResult<B> {
+        let (grads, tail) = self.gradients(batch, read.stop);
+        let averaged = self.average(grads, tail)?;
+        let loss = match read.loss {
+            true => Some(to_host(averaged.tail)?),
+            false => None,
+        };
+        self.apply(averaged.grads, averaged.squared_norm, learning_rate, step);
         Ok(Reply::Stepped(Stepped {
-            loss: LossValues {
+            loss: loss.as_deref().map(|mean| LossValues {
                 classification: mean[0],
                 localization: mean[1],
                 regularization: mean[2],
                 total: mean[3],
                 matched_per_image: mean[5],
                 mined_negatives_per_image: mean[6],
-            },
-            sync_seconds,
-            stop: mean[4] > 0.0,
+            }),
+            sync_seconds: averaged.sync_seconds,
+            stop: loss.map_or(read.stop, |mean| mean[4] > 0.0),
         }))
     }
 
@@ -169,62 +197,76 @@ impl<B: SsdBackend> Replica<B> {
         let images = batch.images_tensor::<Train<B>>(&self.device);
         let loss = compute_loss(self.model(), cfg, &self.anchors, images, &targets);
         let grads = loss.gradients(self.model());
-        let stop = Tensor::<B, 1>::from_data(
-            TensorData::new(vec![if stop { 1.0f32 } else { 0.0 }], [1]),
-            &self.device,
-        );
         let images = targets.len().max(1) as f32;
-        let counts = Tensor::<B, 1>::from_data(
-            TensorData::new(
-                vec![
-                    loss.num_matches as f32 / images,
-                    loss.num_mined_negatives as f32 / images,
-                ],
-                [2],
-            ),
-            &self.device,
-        );
+        let host_values = vec![
+            if stop { 1.0f32 } else { 0.0 },
+            loss.num_matches as f32 / images,
+            loss.num_mined_negatives as f32 / images,
+        ];
         let tail = Tensor::cat(
             vec![
                 loss.classification.inner(),
                 loss.localization.inner(),
                 loss.regularization.inner(),
                 loss.total.inner(),
-                stop,
-                counts,
+                Tensor::from_data(TensorData::new(host_values, [3]), &self.device),
             ],
             0,
         );
         (grads, tail)
     }
 
-    /// The mean over all replicas of the gradients and of the tail's values (on the host),
-    /// and the seconds the exchange took. The tail rides at the end of the last bucket: its
-    /// mean comes back with the gradients, at no extra exchange or copy, so every machine
-    /// logs the same loss and stops after the same step. A lone replica keeps its own.
-    fn average(
-        &self,
-        grads: GradientsParams,
-        tail: Tensor<B, 1>,
-    ) -> Result<(GradientsParams, Vec<f32>, f64), String> {
+    /// The mean over all replicas of the gradients and of the tail, the squared global norm
+    /// when clipping needs it, and the seconds the exchange took. The tail rides at the end
+    /// of the last bucket: its mean comes back with the gradients, at no extra exchange, so
+    /// every machine logs the same loss and stops after the same step; the norm is formed
+    /// once in the exchange, so every replica clips by the same factor. A lone replica keeps
+    /// its own.
+    fn average(&self, grads: GradientsParams, tail: Tensor<B, 1>) -> Result<Averaged<B>, String> {
+        let clipping = self.config.train.gradient_clipping_by_norm.is_some();
         if self.sync.single_replica() {
-            return Ok((grads, to_host(tail)?, 0.0));
+            let squared_norm = clipping
+                .then(|| squared_global_norm(self.model(), &grads))
+                .flatten();
+            return Ok(Averaged {
+                grads,
+                tail,
+                squared_norm,
+                sync_seconds: 0.0,
+            });
         }
         let tail_len = tail.dims()[0];
         let (layout, buckets) = flatten_gradients(self.model(), grads, Some(tail), self.bucketing);
         let start = Instant::now();
-        let buckets = self.sync.all_reduce_mean(self.index, buckets)?;
+        let mean = self
+            .sync
+            .all_reduce_mean(self.index, buckets, clipping.then_some(tail_len))?;
         let sync_seconds = start.elapsed().as_secs_f64();
-        let last = buckets.last().ok_or("the exchange returned no buckets")?;
-        let mean = to_host(last.clone().narrow(0, last.dims()[0] - tail_len, tail_len))?;
-        let grads = unflatten_gradients::<Train<B>>(&layout, buckets);
-        Ok((grads, mean, sync_seconds))
+        let last = mean
+            .buckets
+            .last()
+            .ok_or("the exchange returned no buckets")?;
+        let tail = last.clone().narrow(0, last.dims()[0] - tail_len, tail_len);
+        Ok(Averaged {
+            grads: unflatten_gradients::<Train<B>>(&layout, mean.buckets),
+            tail,
+            squared_norm: mean.squared_norm,
+            sync_seconds,
+        })
     }
 
     /// Clips the averaged gradients (when configured), then updates the weights and the EMA.
-    fn apply(&mut self, mut grads: GradientsParams, learning_rate: f64, step: u64) {
-        if let Some(max_norm) = self.config.train.gradient_clipping_by_norm {
-            grads = clip_by_global_norm(self.model(), grads, max_norm);
+    fn apply(
+        &mut self,
+        mut grads: GradientsParams,
+        squared_norm: Option<Tensor<B, 1>>,
+        learning_rate: f64,
+        step: u64,
+    ) {
+        if let (Some(max_norm), Some(squared_norm)) =
+            (self.config.train.gradient_clipping_by_norm, squared_norm)
+        {
+            grads = clip_by_global_norm(self.model(), grads, max_norm, squared_norm);
         }
         // taken, not cloned: holding the only reference to each weight and slot, the
         // optimizer updates them in place (and likewise the EMA its shadow)
@@ -253,7 +295,14 @@ impl<B: SsdBackend> Replica<B> {
                 learning_rate,
                 step,
                 stop,
-            } => self.step(batch, learning_rate, step, stop),
+                read_loss,
+            } => {
+                let read = Reading {
+                    stop,
+                    loss: read_loss,
+                };
+                self.step(batch, learning_rate, step, read)
+            }
             Command::Join { step } => self.join(step).map(|()| Reply::Done),
             Command::AverageBnStats => self.average_bn_stats().map(|()| Reply::Done),
             Command::Snapshot => self.snapshot().map(Reply::Snapshot),
@@ -267,8 +316,8 @@ impl<B: SsdBackend> Replica<B> {
         // small integers: their mean over identical replicas is exact in f32
         let mine = [step as f32, (checksum % 65_536) as f32];
         let probe = Tensor::from_data(TensorData::new(mine.to_vec(), [2]), &self.device);
-        let all = self.sync.all_reduce_mean(self.index, vec![probe])?;
-        let mean = to_host(all[0].clone())?;
+        let all = self.sync.all_reduce_mean(self.index, vec![probe], None)?;
+        let mean = to_host(all.buckets[0].clone())?;
         if mine.iter().zip(&mean).all(|(a, b)| (a - b).abs() < 0.25) {
             return Ok(());
         }
@@ -282,7 +331,8 @@ impl<B: SsdBackend> Replica<B> {
         let flat = bn_stats_flat(&self.model().valid());
         let mean = self
             .sync
-            .all_reduce_mean(self.index, vec![flat])?
+            .all_reduce_mean(self.index, vec![flat], None)?
+            .buckets
             .pop()
             .ok_or("the exchange returned nothing")?;
         set_bn_stats_flat(self.model(), Tensor::from_inner(mean));

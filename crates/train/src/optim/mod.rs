@@ -10,8 +10,8 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::record::Record;
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
 use model::ops::{RmsPropStep, SsdBackend, rmsprop_update};
 
 use crate::config::OptimizerConfig;
@@ -181,7 +181,17 @@ impl<B: SsdBackend> SimpleOptimizer<B> for TfOptimizer {
     }
 }
 
-/// The sum of the squared gradients of a module's parameters, formed on the device.
+/// The sum of the squared gradients of a module's parameters, formed on the device (a lone
+/// replica's; replicas that exchange gradients get it from the exchange, formed once).
+pub fn squared_global_norm<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+    grads: &GradientsParams,
+) -> Option<Tensor<B::InnerBackend, 1>> {
+    let mut squares = SquaredNorm::<B> { grads, sum: None };
+    model.visit(&mut squares);
+    squares.sum
+}
+
 struct SquaredNorm<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     sum: Option<Tensor<B::InnerBackend, 1>>,
@@ -199,45 +209,37 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
     }
 }
 
-/// Multiplies every gradient of a module's parameters by one factor.
-struct Scale<'a> {
+/// Multiplies every gradient of a module's parameters by a one-element factor.
+struct Scale<'a, B: Backend> {
     grads: &'a mut GradientsParams,
-    factor: f64,
+    factor: Tensor<B, 1>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            self.grads.register(param.id, g.mul_scalar(self.factor));
+            let factor = self.factor.clone().reshape([1; D]);
+            self.grads.register(param.id, g * factor);
         }
     }
 }
 
 /// TF's `clip_by_global_norm` (what `gradient_clipping_by_norm` selects in the API's
-/// `model_main.py`): when the L2 norm of all of `model`'s gradients together exceeds
-/// `max_norm`, every gradient is multiplied by `max_norm / norm`; otherwise they are left as
-/// they are.
+/// `model_main.py`), given the squared global norm of `model`'s gradients: every gradient is
+/// multiplied by `max_norm / max(norm, max_norm)`, which is exactly 1 at or under the limit.
+/// The factor stays on the device: no read to the host.
 pub fn clip_by_global_norm<B: AutodiffBackend, M: Module<B>>(
     model: &M,
     mut grads: GradientsParams,
     max_norm: f32,
+    squared_norm: Tensor<B::InnerBackend, 1>,
 ) -> GradientsParams {
-    let mut squares = SquaredNorm::<B> {
-        grads: &grads,
-        sum: None,
-    };
-    model.visit(&mut squares);
-    let Some(sum) = squares.sum else {
-        return grads;
-    };
-    let norm = sum.into_scalar().elem::<f64>().sqrt();
-    if norm > max_norm as f64 {
-        let factor = max_norm as f64 / norm;
-        model.visit(&mut Scale {
-            grads: &mut grads,
-            factor,
-        });
-    }
+    let limit = Tensor::full([1], max_norm, &squared_norm.device());
+    let factor = limit / squared_norm.sqrt().clamp_min(max_norm);
+    model.visit(&mut Scale::<B::InnerBackend> {
+        grads: &mut grads,
+        factor,
+    });
     grads
 }
 
@@ -327,14 +329,18 @@ mod tests {
             v
         };
         // global norm sqrt(3^2 + 0^2 + 4^2) = 5: clipped to 1, each gradient is scaled by 0.2
-        let clipped = clip_by_global_norm(&linear, grads([3.0, 0.0], 4.0), 1.0);
+        let clip = |g: GradientsParams, limit: f32| {
+            let norm = squared_global_norm(&linear, &g).expect("gradients");
+            clip_by_global_norm(&linear, g, limit, norm)
+        };
+        let clipped = clip(grads([3.0, 0.0], 4.0), 1.0);
         let v = values(&clipped);
         for (got, want) in v.iter().zip([0.6, 0.0, 0.8]) {
             assert!((got - want).abs() < 1e-6, "{v:?}");
         }
         // at or under the limit nothing changes
         for limit in [5.0, 10.0] {
-            let same = clip_by_global_norm(&linear, grads([3.0, 0.0], 4.0), limit);
+            let same = clip(grads([3.0, 0.0], 4.0), limit);
             assert_eq!(values(&same), vec![3.0, 0.0, 4.0]);
         }
     }

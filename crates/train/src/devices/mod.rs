@@ -1,6 +1,9 @@
 //! Which accelerators this machine has, which of them a run uses, and the one place that
 //! picks the backend for them ([`Devices::run`]).
 
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
+
 use anyhow::{Context, Result, bail};
 use burn::backend::Flex;
 use model::ops::SsdBackend;
@@ -32,27 +35,17 @@ pub enum Devices {
     Cpu(usize),
     /// These CUDA ordinals, one replica each.
     Cuda(Vec<usize>),
+    /// These wgpu devices (Vulkan, Metal), one replica each ([`wgpu`]).
+    Wgpu(Vec<usize>),
 }
 
-/// The devices of a `--devices` value: CUDA ordinals `0,1`, `cpu` (one replica) or `cpu:N`
-/// (N replicas on the CPU); `None`: every CUDA device found, else the CPU. Also returns the
-/// line that tells the user what was chosen. CUDA ordinals must exist.
+/// The devices of a `--devices` value: CUDA ordinals `0,1`, `cpu` (one replica), `cpu:N`
+/// (N replicas on the CPU), `wgpu` (the default wgpu adapter) or `wgpu:0,1` (two wgpu
+/// devices); `None`: every CUDA device found, else the CPU. Also returns the line that tells
+/// the user what was chosen. CUDA ordinals must exist.
 pub fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
     match spec {
-        None => {
-            let n = cuda_device_count();
-            if n > 0 {
-                Ok((
-                    Devices::Cuda((0..n).collect()),
-                    format!("{n} CUDA device(s) found: training on all of them"),
-                ))
-            } else {
-                Ok((
-                    Devices::Cpu(1),
-                    "no CUDA device found: training on the CPU (one replica)".into(),
-                ))
-            }
-        }
+        None => Ok(default_devices()),
         Some("cpu") => Ok((Devices::Cpu(1), "training on the CPU (one replica)".into())),
         Some(s) if s.starts_with("cpu:") => {
             let n: usize = s[4..]
@@ -66,15 +59,10 @@ pub fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
                 format!("training on the CPU with {n} replicas"),
             ))
         }
+        Some("wgpu") => parse_wgpu("wgpu", "0"),
+        Some(s) if s.starts_with("wgpu:") => parse_wgpu(s, &s[5..]),
         Some(s) => {
-            let ids: Vec<usize> = s
-                .split(',')
-                .map(|p| {
-                    p.trim()
-                        .parse::<usize>()
-                        .with_context(|| format!("--devices {s}: `{p}` is not a CUDA ordinal"))
-                })
-                .collect::<Result<_>>()?;
+            let ids = indices(s, s, "a CUDA ordinal")?;
             let available = cuda_device_count();
             if let Some(bad) = ids.iter().find(|&&i| i >= available) {
                 bail!(
@@ -94,6 +82,43 @@ pub fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
     }
 }
 
+/// Every CUDA device found, else one replica on the CPU.
+fn default_devices() -> (Devices, String) {
+    let n = cuda_device_count();
+    if n > 0 {
+        return (
+            Devices::Cuda((0..n).collect()),
+            format!("{n} CUDA device(s) found: training on all of them"),
+        );
+    }
+    (
+        Devices::Cpu(1),
+        "no CUDA device found: training on the CPU (one replica; `--devices wgpu` trains on a Vulkan or Metal GPU)".into(),
+    )
+}
+
+fn parse_wgpu(spec: &str, list: &str) -> Result<(Devices, String)> {
+    if cfg!(not(feature = "wgpu")) {
+        bail!("--devices {spec}: built without the `wgpu` feature");
+    }
+    let ids = indices(spec, list, "a wgpu device index")?;
+    Ok((
+        Devices::Wgpu(ids.clone()),
+        format!("training on wgpu devices {ids:?}"),
+    ))
+}
+
+/// The comma-separated indices of `list`, part of the `--devices` value `spec`.
+fn indices(spec: &str, list: &str, what: &str) -> Result<Vec<usize>> {
+    list.split(',')
+        .map(|p| {
+            p.trim()
+                .parse::<usize>()
+                .with_context(|| format!("--devices {spec}: `{p}` is not {what}"))
+        })
+        .collect()
+}
+
 /// Work written once for every backend; [`Devices::run`] calls it with the backend of the
 /// chosen devices (generic closures do not exist in Rust, so the work is a trait).
 pub trait BackendJob {
@@ -105,7 +130,7 @@ pub trait BackendJob {
 
 impl Devices {
     /// Runs `job` with these devices' backend: burn-flex on the CPU (one device per
-    /// replica, all the same), CUDA on GPUs.
+    /// replica, all the same), CUDA or wgpu on GPUs.
     pub fn run<J: BackendJob>(&self, job: J) -> Result<J::Output> {
         match self {
             Devices::Cpu(n) => job.run::<Flex>(vec![Default::default(); *n]),
@@ -117,16 +142,20 @@ impl Devices {
             ),
             #[cfg(not(feature = "cuda"))]
             Devices::Cuda(_) => bail!("built without the `cuda` feature"),
+            #[cfg(feature = "wgpu")]
+            Devices::Wgpu(ids) => job.run::<burn::backend::Wgpu>(wgpu::devices(ids)?),
+            #[cfg(not(feature = "wgpu"))]
+            Devices::Wgpu(_) => bail!("built without the `wgpu` feature"),
         }
     }
 }
 
-/// The one device of a `--device` value: `cpu` or a CUDA ordinal (evaluation, detection and
-/// inference benchmarks run on one device).
+/// The one device of a `--device` value: `cpu`, `wgpu`, `wgpu:i` or a CUDA ordinal
+/// (evaluation, detection and inference benchmarks run on one device).
 pub fn parse_device(spec: &str) -> Result<Devices> {
     match parse_devices(Some(spec))?.0 {
-        Devices::Cuda(ids) if ids.len() > 1 => {
-            bail!("--device {spec}: one device (`cpu` or a CUDA ordinal), not several")
+        Devices::Cuda(ids) | Devices::Wgpu(ids) if ids.len() > 1 => {
+            bail!("--device {spec}: one device (`cpu`, `wgpu` or a CUDA ordinal), not several")
         }
         Devices::Cpu(n) if n > 1 => bail!("--device {spec}: one device (`cpu`), not {n} replicas"),
         one => Ok(one),
@@ -145,7 +174,7 @@ pub fn check_memory(config: &TrainConfig, devices: &Devices) -> Result<()> {
     let batch = config.train.batch_size;
     let (images, available, place) = match devices {
         Devices::Cpu(_) => (batch, host_memory_bytes(), "this machine has"),
-        Devices::Cuda(ids) => (
+        Devices::Cuda(ids) | Devices::Wgpu(ids) => (
             batch.div_ceil(ids.len().max(1)),
             Some(MAX_DEVICE_BYTES),
             "no GPU has",
@@ -182,10 +211,25 @@ mod tests {
     fn cpu_specs_name_the_replicas() {
         assert_eq!(parse_devices(Some("cpu")).unwrap().0, Devices::Cpu(1));
         assert_eq!(parse_devices(Some("cpu:3")).unwrap().0, Devices::Cpu(3));
-        for bad in ["cpu:0", "cpu:x", "gpu", "0,a"] {
+        for bad in ["cpu:0", "cpu:x", "gpu", "0,a", "wgpu:", "wgpu:0,x"] {
             let err = parse_devices(Some(bad)).unwrap_err().to_string();
             assert!(err.contains(bad), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn wgpu_specs_name_the_devices() {
+        assert_eq!(
+            parse_devices(Some("wgpu")).unwrap().0,
+            Devices::Wgpu(vec![0])
+        );
+        assert_eq!(
+            parse_devices(Some("wgpu:0,1")).unwrap().0,
+            Devices::Wgpu(vec![0, 1])
+        );
+        assert_eq!(parse_device("wgpu:1").unwrap(), Devices::Wgpu(vec![1]));
+        let err = parse_device("wgpu:0,1").unwrap_err().to_string();
+        assert!(err.contains("not several"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,181 @@
+//! The GPU code path on wgpu (Burn's generic operations with fusion and autotune; on Linux
+//! Vulkan, in CI Mesa's software driver lavapipe): two wgpu devices train like two CPU
+//! replicas and stay bit-identical, a checkpoint moves between wgpu and the CPU, and `train
+//! detect` on wgpu gives the CPU's detections. Without a wgpu adapter the tests say so and
+//! pass, unless `WGPU_TESTS_REQUIRED=1` (CI sets it).
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Flex, Wgpu};
+use common::{config, max_diff, prepare, sampled_weights};
+use model::Ssd;
+use model::ops::SsdBackend;
+use model::weights::load_weights;
+use train::config::TrainConfig;
+use train::learner::{RunOptions, RunSummary, train};
+
+/// The wgpu devices `ids`, or `None` (the test is skipped) where this machine has no adapter.
+fn wgpu_devices(ids: &[usize]) -> Option<Vec<WgpuDevice>> {
+    match train::devices::wgpu::devices(ids) {
+        Ok(devices) => Some(devices),
+        Err(e) if std::env::var("WGPU_TESTS_REQUIRED").is_ok_and(|v| v == "1") => {
+            panic!("WGPU_TESTS_REQUIRED=1 but: {e:#}")
+        }
+        Err(e) => {
+            eprintln!("skipped: {e:#}");
+            None
+        }
+    }
+}
+
+fn run<B: SsdBackend>(config: &TrainConfig, model_dir: &Path, devices: &[B::Device]) -> RunSummary {
+    let options = RunOptions {
+        model_dir: model_dir.to_path_buf(),
+        stop: Arc::new(AtomicBool::new(false)),
+        verbose: false,
+        cluster: None,
+        repeat_first_batch: false,
+    };
+    train::<B>(config, devices, &options).unwrap()
+}
+
+fn cpu<B: SsdBackend>(replicas: usize) -> Vec<B::Device> {
+    vec![Default::default(); replicas]
+}
+
+/// The total loss of each logged step.
+fn losses(model_dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(model_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["loss"]["total"].as_f64())
+        .collect()
+}
+
+fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
+    let dir = train::checkpoint::latest(model_dir).unwrap().unwrap();
+    let net: Ssd<Flex> =
+        load_weights(&config.model, &dir.join("model.mpk"), &Default::default()).unwrap();
+    sampled_weights(&net)
+}
+
+/// Two wgpu devices (two memories, tensors staged through the host between them) take the
+/// steps two CPU replicas take, within float tolerance, with clipping and the weight EMA; a
+/// checkpoint after every step first checks that the two replicas hold bit-identical
+/// weights. Two steps: in this tiny network (1x1 feature maps normalised over two images)
+/// rounding differences grow fast: two CPU backends (burn-flex, burn-ndarray) differ by 0.4%
+/// in the loss by the fourth step.
+#[test]
+fn two_wgpu_devices_train_like_two_cpu_replicas_and_stay_identical() {
+    let Some(devices) = wgpu_devices(&[0, 1]) else {
+        return;
+    };
+    assert_ne!(devices[0], devices[1], "two distinct Burn devices");
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let mut c = config(data.path(), 2);
+    c.train.checkpoint_every = 1;
+    c.train.gradient_clipping_by_norm = Some(10.0);
+    c.train.moving_average_decay = Some(0.99);
+    let (gpu, cpu_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    assert_eq!(run::<Wgpu>(&c, gpu.path(), &devices).step, 2);
+    run::<Flex>(&c, cpu_dir.path(), &cpu::<Flex>(2));
+    assert_losses_close(&losses(gpu.path()), &losses(cpu_dir.path()), 2);
+    let d = max_diff(&weights(&c, gpu.path()), &weights(&c, cpu_dir.path()));
+    assert!(d < 2e-3, "max weight difference {d}");
+}
+
+fn assert_losses_close(got: &[f64], want: &[f64], steps: usize) {
+    assert_eq!((got.len(), want.len()), (steps, steps));
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() <= 1e-4 * w.abs(), "{got:?} against {want:?}");
+    }
+}
+
+/// A step on wgpu, the next on the CPU from its checkpoint: the losses and weights of two
+/// steps on the CPU, within float tolerance; then a third step back on wgpu.
+#[test]
+fn a_checkpoint_moves_between_wgpu_and_the_cpu() {
+    let Some(devices) = wgpu_devices(&[0]) else {
+        return;
+    };
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let (mixed, cpu_only) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let steps = |n| config(data.path(), n);
+    assert_eq!(run::<Wgpu>(&steps(1), mixed.path(), &devices).step, 1);
+    let on_cpu = run::<Flex>(&steps(2), mixed.path(), &cpu::<Flex>(1));
+    assert_eq!((on_cpu.step, on_cpu.steps_this_run), (2, 1));
+    run::<Flex>(&steps(2), cpu_only.path(), &cpu::<Flex>(1));
+    assert_losses_close(&losses(mixed.path()), &losses(cpu_only.path()), 2);
+    let d = max_diff(
+        &weights(&steps(2), mixed.path()),
+        &weights(&steps(2), cpu_only.path()),
+    );
+    assert!(d < 2e-3, "max weight difference {d}");
+    let back = run::<Wgpu>(&steps(3), mixed.path(), &devices);
+    assert_eq!((back.step, back.steps_this_run), (3, 1));
+    assert!(back.last_loss.total.is_finite());
+}
+
+/// `train detect --device wgpu` finds what `--device cpu` finds: each of the CPU's ten best
+/// detections per image is among wgpu's, with the same class, score and box.
+#[test]
+fn detect_on_wgpu_gives_the_cpu_detections() {
+    if wgpu_devices(&[0]).is_none() {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let model_dir = tempfile::tempdir().unwrap();
+    run::<Flex>(&config(data.path(), 2), model_dir.path(), &cpu::<Flex>(1));
+    let images = tempfile::tempdir().unwrap();
+    for (i, colour) in [[200, 40, 40], [30, 60, 220]].into_iter().enumerate() {
+        let image = image::RgbImage::from_fn(80, 60, |x, y| {
+            let inside = (20..50).contains(&x) && (15..45).contains(&y);
+            image::Rgb(if inside { colour } else { [128, 128, 128] })
+        });
+        image.save(images.path().join(format!("{i}.png"))).unwrap();
+    }
+    let detect = |device: &str| {
+        let out = images.path().join(device);
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(["detect", "--device", device, "--score-threshold", "0"])
+            .args(["--max-detections", "100", "--model-dir"])
+            .arg(model_dir.path())
+            .arg("--out")
+            .arg(&out)
+            .arg(images.path().join("*.png"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "train detect --device {device}");
+        let json = std::fs::read_to_string(out.join("detections.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&json).unwrap()
+    };
+    let (on_cpu, on_gpu) = (detect("cpu"), detect("wgpu"));
+    let images = on_cpu.as_array().unwrap();
+    assert_eq!(images.len(), 2);
+    for (cpu_image, gpu_image) in images.iter().zip(on_gpu.as_array().unwrap()) {
+        let found = gpu_image["detections"].as_array().unwrap();
+        for want in cpu_image["detections"].as_array().unwrap().iter().take(10) {
+            let same = |d: &serde_json::Value| {
+                let close = |key: &str, tolerance: f64| {
+                    (d[key].as_f64().unwrap() - want[key].as_f64().unwrap()).abs() <= tolerance
+                };
+                let boxes = ["ymin", "xmin", "ymax", "xmax"].iter().all(|k| {
+                    (d["bbox"][k].as_f64().unwrap() - want["bbox"][k].as_f64().unwrap()).abs()
+                        <= 1e-4
+                });
+                d["class_id"] == want["class_id"] && close("score", 1e-4) && boxes
+            };
+            assert!(found.iter().any(same), "{want} not found on wgpu");
+        }
+    }
+}
