@@ -17,6 +17,10 @@ use crate::test_data::uniform;
 /// Values of the outputs, then of the gradients.
 type Outcome = Vec<Vec<f32>>;
 
+/// Reads one input's gradient.
+type GradOf<'a, B> =
+    &'a dyn Fn(&<Autodiff<B> as burn::tensor::backend::AutodiffBackend>::Gradients) -> Vec<f32>;
+
 fn values<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().to_vec().expect("f32 data")
 }
@@ -38,8 +42,7 @@ fn input<B: SsdBackend, const D: usize>(
 fn outcome<B: SsdBackend, const D: usize, const N: usize>(
     outputs: Vec<Vec<f32>>,
     y: Tensor<Autodiff<B>, D>,
-    inputs: [&dyn Fn(&<Autodiff<B> as burn::tensor::backend::AutodiffBackend>::Gradients) -> Vec<f32>;
-        N],
+    inputs: [GradOf<B>; N],
     seed: u64,
 ) -> Outcome {
     let upstream = uniform::<Autodiff<B>, D>(y.dims(), (-1.0, 1.0), seed, &Default::default());
@@ -128,17 +131,15 @@ fn conv_case<B: SsdBackend>(n: usize) -> Outcome {
 
 #[test]
 fn convolutions_and_their_gradients() {
-    for n in 0..CONVS.len() {
+    for (n, conv) in CONVS.iter().enumerate() {
         compare(
-            &format!("conv {:?}", CONVS[n]),
+            &format!("conv {conv:?}"),
             |on| match on {
                 // burn-cubecl 0.21 returns an input gradient of zeros for this filter (1x1,
                 // depthwise, stride 2); the network has no such layer (its 1x1 filters are
                 // dense, stride 1)
                 #[cfg(feature = "wgpu")]
-                On::Wgpu if CONVS[n] == ([1, 3, 6, 8], 3, 1, 2, true, false) => {
-                    conv_case::<Flex>(n)
-                }
+                On::Wgpu if *conv == ([1, 3, 6, 8], 3, 1, 2, true, false) => conv_case::<Flex>(n),
                 _ => on_both!(on, conv_case(n)),
             },
             1e-4,
