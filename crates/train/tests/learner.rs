@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{config, max_diff, prepare, sampled_weights};
+use common::{config, max_diff, prepare, run_on, sampled_weights, weights};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -24,7 +24,6 @@ use model::Ssd;
 use model::loss::compute_loss;
 use model::ops::SsdBackend;
 use model::targets::assign_targets;
-use model::weights::load_weights;
 use prost::Message;
 use train::config::{LearningRate, OptimizerConfig, TrainConfig};
 use train::learner::{RunOptions, RunSummary, train};
@@ -35,29 +34,7 @@ use train::sync::{Bucketing, flatten_gradients, unflatten_gradients};
 type B = Flex;
 
 fn run(config: &TrainConfig, model_dir: &Path, replicas: usize) -> anyhow::Result<RunSummary> {
-    run_on::<B>(config, model_dir, replicas)
-}
-
-fn run_on<I: SsdBackend>(
-    config: &TrainConfig,
-    model_dir: &Path,
-    replicas: usize,
-) -> anyhow::Result<RunSummary> {
-    let options = RunOptions {
-        model_dir: model_dir.to_path_buf(),
-        stop: Arc::new(AtomicBool::new(false)),
-        verbose: false,
-        cluster: None,
-        repeat_first_batch: false,
-    };
-    train::<I>(config, &vec![Default::default(); replicas], &options)
-}
-
-fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
-    let dir = train::checkpoint::latest(model_dir).unwrap().unwrap();
-    let net: Ssd<B> =
-        load_weights(&config.model, &dir.join("model.mpk"), &Default::default()).unwrap();
-    sampled_weights(&net)
+    run_on::<B>(config, model_dir, &vec![Default::default(); replicas])
 }
 
 #[test]
@@ -157,7 +134,7 @@ fn learner_equals_manual_step<B: SsdBackend>(replicas: usize) {
     let runs = tempfile::tempdir().unwrap();
     let mut c = config(data.path(), 1);
     c.train.gradient_clipping_by_norm = Some(clip);
-    run_on::<B>(&c, runs.path(), replicas).unwrap();
+    run_on::<B>(&c, runs.path(), &vec![Default::default(); replicas]).unwrap();
     let from_learner = weights(&c, runs.path());
 
     let device = Default::default();

@@ -8,17 +8,13 @@
 mod common;
 
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Flex, Wgpu};
-use common::{config, max_diff, prepare, sampled_weights};
-use model::Ssd;
+use common::{config, max_diff, prepare, run_on, weights};
 use model::ops::SsdBackend;
-use model::weights::load_weights;
 use train::config::TrainConfig;
-use train::learner::{RunOptions, RunSummary, train};
+use train::learner::RunSummary;
 
 /// The wgpu devices `ids`, or `None` (the test is skipped) where this machine has no adapter.
 fn wgpu_devices(ids: &[usize]) -> Option<Vec<WgpuDevice>> {
@@ -35,14 +31,7 @@ fn wgpu_devices(ids: &[usize]) -> Option<Vec<WgpuDevice>> {
 }
 
 fn run<B: SsdBackend>(config: &TrainConfig, model_dir: &Path, devices: &[B::Device]) -> RunSummary {
-    let options = RunOptions {
-        model_dir: model_dir.to_path_buf(),
-        stop: Arc::new(AtomicBool::new(false)),
-        verbose: false,
-        cluster: None,
-        repeat_first_batch: false,
-    };
-    train::<B>(config, devices, &options).unwrap()
+    run_on::<B>(config, model_dir, devices).unwrap()
 }
 
 fn cpu<B: SsdBackend>(replicas: usize) -> Vec<B::Device> {
@@ -57,13 +46,6 @@ fn losses(model_dir: &Path) -> Vec<f64> {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter_map(|v| v["loss"]["total"].as_f64())
         .collect()
-}
-
-fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
-    let dir = train::checkpoint::latest(model_dir).unwrap().unwrap();
-    let net: Ssd<Flex> =
-        load_weights(&config.model, &dir.join("model.mpk"), &Default::default()).unwrap();
-    sampled_weights(&net)
 }
 
 /// Two wgpu devices (two memories, tensors staged through the host between them) take the

@@ -2,12 +2,18 @@
 //! a network's weights.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
+use burn::backend::Flex;
 use burn::tensor::backend::Backend;
+use model::ops::SsdBackend;
+use model::weights::load_weights;
 use model::{Ssd, SsdConfig};
 use train::config::{
     DataSettings, EvalSettings, LearningRate, OptimizerConfig, TrainConfig, TrainSettings,
 };
+use train::learner::{RunOptions, RunSummary, train};
 
 /// Three training shards of 24 images and 6 evaluation images, two classes.
 pub fn prepare(dir: &Path) {
@@ -91,4 +97,28 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// Trains `config` into `model_dir` on `devices` (one replica each), quietly.
+pub fn run_on<B: SsdBackend>(
+    config: &TrainConfig,
+    model_dir: &Path,
+    devices: &[B::Device],
+) -> anyhow::Result<RunSummary> {
+    let options = RunOptions {
+        model_dir: model_dir.to_path_buf(),
+        stop: Arc::new(AtomicBool::new(false)),
+        verbose: false,
+        cluster: None,
+        repeat_first_batch: false,
+    };
+    train::<B>(config, devices, &options)
+}
+
+/// [`sampled_weights`] of the latest checkpoint in `model_dir`.
+pub fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
+    let dir = train::checkpoint::latest(model_dir).unwrap().unwrap();
+    let net: Ssd<Flex> =
+        load_weights(&config.model, &dir.join("model.mpk"), &Default::default()).unwrap();
+    sampled_weights(&net)
 }
