@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{config, max_diff, prepare, run_on, sampled_weights, weights};
+use common::{config, losses, max_diff, prepare, run_on, sampled_weights, weights};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -230,6 +230,32 @@ fn one_replica_equals_its_own_gradients() {
 #[test]
 fn two_replicas_equal_gradient_averaging_on_the_generic_operations() {
     learner_equals_manual_step::<NdArray>(2);
+}
+
+/// A measurement, not a check (`cargo test --release --workspace --test learner --
+/// --ignored`, needs `datasets/synthetic`): configs/synthetic.json for 20 steps on two
+/// replicas of burn-flex and of burn-ndarray, each step's loss printed side by side. Two
+/// correct CPU backends drift apart by rounding as wgpu and the CPU do (docs/perf.md).
+#[test]
+#[ignore = "a measurement of several minutes"]
+fn two_cpu_backends_drift_apart_on_the_synthetic_config() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut c = TrainConfig::load(&root.join("configs/synthetic.json")).unwrap();
+    c.train.num_steps = 20;
+    c.train.log_every = 1;
+    c.data.eval.clear();
+    for pattern in &mut c.data.train {
+        *pattern = root.join(&*pattern).display().to_string();
+    }
+    let (flex, ndarray) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run_on::<Flex>(&c, flex.path(), &[Default::default(); 2]).unwrap();
+    run_on::<NdArray>(&c, ndarray.path(), &[Default::default(); 2]).unwrap();
+    let (a, b) = (losses(flex.path()), losses(ndarray.path()));
+    assert_eq!((a.len(), b.len()), (20, 20));
+    println!("step, burn-flex, burn-ndarray, relative difference");
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        println!("{}, {x:.4}, {y:.4}, {:.1e}", step + 1, (x - y).abs() / x);
+    }
 }
 
 /// A run "killed" after step 2 and resumed from its checkpoint ends where the same run

@@ -327,6 +327,15 @@ impl SsdBackend for burn::backend::Cuda {
 #[cfg(feature = "wgpu")]
 impl SsdBackend for burn::backend::Wgpu {}
 
+/// burn-wgpu without kernel fusion, for the tests that measure what fusion changes.
+#[cfg(all(feature = "wgpu", feature = "generic-backend"))]
+impl SsdBackend for WgpuUnfused {}
+
+/// burn-wgpu's backend without the fusion layer that [`burn::backend::Wgpu`] wraps it in.
+#[cfg(all(feature = "wgpu", feature = "generic-backend"))]
+pub type WgpuUnfused =
+    burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+
 /// burn-ndarray with every default: the generic code the GPU backends run, on the CPU, for
 /// the tests.
 #[cfg(any(test, feature = "generic-backend"))]

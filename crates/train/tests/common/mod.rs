@@ -122,3 +122,13 @@ pub fn weights(config: &TrainConfig, model_dir: &Path) -> Vec<f32> {
         load_weights(&config.model, &dir.join("model.mpk"), &Default::default()).unwrap();
     sampled_weights(&net)
 }
+
+/// The total loss of each logged step.
+pub fn losses(model_dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(model_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["loss"]["total"].as_f64())
+        .collect()
+}
