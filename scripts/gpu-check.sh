@@ -1,36 +1,81 @@
 #!/usr/bin/env bash
-# The short check for a machine with CUDA GPUs. Builds nothing: run it from the repository root
-# next to `train` and `xtask` binaries built elsewhere (cargo build --release --workspace)
-# and the prepared synthetic set (cargo xtask prepare-data), e.g.
-#   BIN=./train XTASK=./xtask scripts/gpu-check.sh
-# Its parts stop after 150 s, 2 x 90 s (two or more GPUs) and 300 s: within one 10-minute
-# device call. The bench table is printed (and kept in $OUT/bench.txt) case by case, so a
-# cut-off run keeps the cases it finished.
-set -uo pipefail
+# The short check for a machine with CUDA GPUs (one H200 and 15 minutes are enough). Builds
+# nothing: run it from the repository root next to `train` and `xtask` binaries built
+# elsewhere (cargo build --release --workspace), e.g.
+#   BIN=./train XTASK=./xtask PEER_DIR=peer scripts/gpu-check.sh
+# Parts: an untimed warm-up that fills cubecl's kernel caches (compilation and autotune, kept
+# under $OUT/cubecl-cache); a synthetic run on device 0; the same on two wgpu devices of the
+# one GPU (`wgpu:0,1`: the multi-device path at GPU speed); with two or more CUDA GPUs
+# `--devices 0,1` by the default exchange and through the host; the bench's device-0 cases;
+# and, with PEER_DIR (a copy of ../shared/bench/peer/) and torch installed, the PyTorch
+# peer's step on the same GPU, TF32 stated. Every part's output goes to $OUT.
+# Exits non-zero when a training part fails, or when two runs that must agree do not: the
+# exchange paths of `--devices 0,1` give losses within LOSS_RTOL (relative, default 1e-3) of
+# each other at every logged step.
+set -euo pipefail
 BIN=${BIN:-target/release/train}
 XTASK=${XTASK:-target/release/xtask}
 STEPS=${STEPS:-30}
 OUT=${OUT:-gpu-check}
+LOSS_RTOL=${LOSS_RTOL:-1e-3}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+# cubecl reads cubecl.toml from the working directory: compiled kernels and autotune results
+# are kept between the parts (and between calls, where $OUT survives)
+cat > cubecl.toml <<TOML
+[compilation]
+cache = { file = "$OUT/cubecl-cache" }
+[autotune]
+cache = { file = "$OUT/cubecl-cache" }
+TOML
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-# the synthetic default on GPU 0: it trains and evaluates
-echo "== synthetic, device 0" | tee -a "$OUT/train.txt"
-timeout 150 "$BIN" --devices 0 --num-steps "$STEPS" --model-dir "$OUT/run-0" 2>&1 | tail -25 | tee -a "$OUT/train.txt"
+
+# one training part: a run that must finish (status 0) within its time limit
+train_part() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name" | tee -a "$OUT/train.txt"
+  if ! timeout "$limit" "$BIN" "$@" --model-dir "$OUT/$name" >"$OUT/$name.log" 2>&1; then
+    tail -20 "$OUT/$name.log" | tee -a "$OUT/train.txt"
+    echo "gpu-check: $name failed" | tee -a "$OUT/train.txt"
+    exit 1
+  fi
+  grep -E "exchange between|step [0-9]+/|replicas|images/s|mAP" "$OUT/$name.log" | tail -8 |
+    tee -a "$OUT/train.txt"
+}
+
+# the logged total losses of two runs agree within LOSS_RTOL at every step
+same_losses() {
+  python3 - "$OUT/$1/metrics.jsonl" "$OUT/$2/metrics.jsonl" "$LOSS_RTOL" <<'PY' | tee -a "$OUT/train.txt"
+import json, sys
+def losses(path):
+    return [json.loads(l)["loss"]["total"] for l in open(path) if '"loss"' in l]
+a, b, rtol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+print(f"{len(a)} and {len(b)} logged losses, largest relative difference {worst:.2e} (limit {rtol:.0e})")
+sys.exit(0 if len(a) == len(b) and worst <= rtol else 1)
+PY
+}
+
+# warm-up, untimed: compiles every kernel of the synthetic and the pets model once
+train_part warm-up 240 --devices 0 --num-steps 3 --no-eval
+train_part synthetic-0 150 --devices 0 --num-steps "$STEPS"
+train_part synthetic-wgpu01 150 --devices wgpu:0,1 --num-steps "$STEPS" --no-eval
 if [ "$GPUS" -ge 2 ]; then
-  # two GPUs, by NCCL where libnccl loads (the log says which path) and through the host:
   # a checkpoint every 10 steps first checks that the replicas hold bit-identical weights
-  # (the run stops otherwise); both paths' losses go side by side
-  for path in default host; do
-    echo "== synthetic, devices 0,1, exchange: $path" | tee -a "$OUT/train.txt"
-    env $([ $path = host ] && echo SSD_BURN_HOST_STAGED=1) timeout 90 "$BIN" --devices 0,1 \
-      --num-steps "$STEPS" --no-eval --model-dir "$OUT/run-01-$path" 2>&1 |
-      grep -E "exchange between|step [0-9]+/|replicas|error|Error" | tail -12 | tee -a "$OUT/train.txt"
-  done
-  paste <(grep -o '"total":[^,}]*' "$OUT/run-01-default/metrics.jsonl") \
-    <(grep -o '"total":[^,}]*' "$OUT/run-01-host/metrics.jsonl") | tee "$OUT/losses-01.txt"
+  train_part synthetic-01-default 90 --devices 0,1 --num-steps "$STEPS" --no-eval
+  SSD_BURN_HOST_STAGED=1 train_part synthetic-01-host 90 --devices 0,1 --num-steps "$STEPS" --no-eval
+  same_losses synthetic-01-default synthetic-01-host
 fi
-# the pets model (300x300, 37 classes) on GPU 0 and, with two or more GPUs, on all of them
-# at 8 images each (scaling against one GPU): training with the data loader and with the
-# batch in memory; inference at batch 1 (with and without NMS) and 8 on GPU 0
-timeout 300 "$XTASK" bench --only="--devices 0" --repeats 5 --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+# the pets model (300x300, 37 classes) on GPU 0: training with the data loader and with the
+# batch in memory, inference at batch 1 (with and without NMS) and 8
+timeout 240 "$XTASK" bench --only="--devices 0" --repeats 5 --out "$OUT/bench.json" 2>&1 |
+  tee "$OUT/bench.txt"
+if [ -n "${PEER_DIR:-}" ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  for tf32 in default off; do
+    timeout 120 python3 scripts/torch_gpu_step.py "$PEER_DIR" --batch 12 24 --tf32 "$tf32" |
+      tee -a "$OUT/torch.txt"
+  done
+fi
+echo "gpu-check: every part passed"

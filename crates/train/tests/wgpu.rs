@@ -1,5 +1,5 @@
 //! The GPU code path on wgpu (Burn's generic operations with fusion and autotune; on Linux
-//! Vulkan, in CI Mesa's software driver lavapipe): two wgpu devices train like two CPU
+//! Vulkan, in CI Mesa's software driver lavapipe): four wgpu devices train like four CPU
 //! replicas and stay bit-identical, a checkpoint moves between wgpu and the CPU, fusion
 //! changes results by rounding at most, and `train detect` on wgpu gives the CPU's
 //! detections. Without a wgpu adapter the tests say so and
@@ -39,27 +39,32 @@ fn cpu<B: SsdBackend>(replicas: usize) -> Vec<B::Device> {
     vec![Default::default(); replicas]
 }
 
-/// Two wgpu devices (two memories, tensors staged through the host between them) take the
-/// steps two CPU replicas take, within float tolerance, with clipping and the weight EMA; a
-/// checkpoint after every step first checks that the two replicas hold bit-identical
-/// weights. Two steps: in this tiny network (1x1 feature maps normalised over two images)
-/// rounding differences grow fast: two CPU backends (burn-flex, burn-ndarray) differ by 0.4%
-/// in the loss by the fourth step.
+/// Four wgpu devices (four memories, tensors staged through the host between them) take the
+/// steps four CPU replicas take, within float tolerance, with clipping and the weight EMA; a
+/// checkpoint after every step first checks that the four replicas hold bit-identical
+/// weights. Four devices: the balanced sum's second pair, `(d2 + d3)`, has no operand on the
+/// first device, which two devices never show. Two steps: in this tiny network (1x1 feature
+/// maps normalised over two images) rounding differences grow fast: two CPU backends
+/// (burn-flex, burn-ndarray) differ by 0.4% in the loss by the fourth step.
 #[test]
-fn two_wgpu_devices_train_like_two_cpu_replicas_and_stay_identical() {
-    let Some(devices) = wgpu_devices(&[0, 1]) else {
+fn four_wgpu_devices_train_like_four_cpu_replicas_and_stay_identical() {
+    let Some(devices) = wgpu_devices(&[0, 1, 2, 3]) else {
         return;
     };
-    assert_ne!(devices[0], devices[1], "two distinct Burn devices");
+    for (i, a) in devices.iter().enumerate() {
+        assert!(!devices[..i].contains(a), "four distinct Burn devices");
+    }
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
     let mut c = config(data.path(), 2);
+    // two images per replica: BatchNorm needs two values per channel on the 1x1 maps
+    c.train.batch_size = 8;
     c.train.checkpoint_every = 1;
     c.train.gradient_clipping_by_norm = Some(10.0);
     c.train.moving_average_decay = Some(0.99);
     let (gpu, cpu_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     assert_eq!(run::<Wgpu>(&c, gpu.path(), &devices).step, 2);
-    run::<Flex>(&c, cpu_dir.path(), &cpu::<Flex>(2));
+    run::<Flex>(&c, cpu_dir.path(), &cpu::<Flex>(4));
     assert_losses_close(&losses(gpu.path()), &losses(cpu_dir.path()), 2);
     let d = max_diff(&weights(&c, gpu.path()), &weights(&c, cpu_dir.path()));
     assert!(d < 2e-3, "max weight difference {d}");

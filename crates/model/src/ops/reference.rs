@@ -5,7 +5,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::module::conv2d;
 use burn::tensor::ops::{ConvOptions, FloatTensor, PadMode};
-use burn::tensor::{Tensor, TensorMetadata};
+use burn::tensor::{Tensor, TensorMetadata, s};
 
 use super::cpu::same_padding;
 use super::{
@@ -13,23 +13,59 @@ use super::{
     DepthwiseBetweenOutput, RmsPropState, RmsPropStep, SsdBackend, prim, tensor,
 };
 
-/// `x` padded as TF "SAME" pads it for this kernel and stride, with the convolution options
-/// that then need no padding.
-fn pad_same<B: Backend>(
-    x: FloatTensor<B>,
-    kernel: usize,
-    stride: usize,
-    groups: usize,
-) -> (Tensor<B, 4>, ConvOptions<2>, [usize; 2]) {
-    let [_, _, h, w] = x.shape().dims();
-    let pads = |size| {
-        let (_, before, after) = same_padding(size, kernel, stride);
-        (before, after)
-    };
-    let ((top, bottom), (left, right)) = (pads(h), pads(w));
-    let x = tensor::<B, 4>(x).pad((left, right, top, bottom), PadMode::Constant(0.0));
-    let options = ConvOptions::new([stride, stride], [0, 0], [1, 1], groups);
-    (x, options, [top, left])
+/// TF "SAME" padding for one convolution: folded into the convolution's own (symmetric)
+/// padding where top equals bottom and left equals right (every stride-1 layer, and every
+/// 1x1 convolution, whose pads are zero), so the input is not copied; else an explicit
+/// padded copy (TF puts the extra row / column at the bottom / right).
+struct Same {
+    options: ConvOptions<2>,
+    /// `(left, right, top, bottom)`: every pad.
+    pads: (usize, usize, usize, usize),
+}
+
+impl Same {
+    fn new(x: &impl TensorMetadata, kernel: usize, stride: usize, groups: usize) -> Self {
+        let [_, _, h, w] = x.shape().dims();
+        let pads = |size| {
+            let (_, before, after) = same_padding(size, kernel, stride);
+            (before, after)
+        };
+        let ((top, bottom), (left, right)) = (pads(h), pads(w));
+        let folded = if symmetric((left, right, top, bottom)) {
+            [top, left]
+        } else {
+            [0, 0]
+        };
+        Self {
+            options: ConvOptions::new([stride, stride], folded, [1, 1], groups),
+            pads: (left, right, top, bottom),
+        }
+    }
+
+    /// Whether the convolution pads by itself.
+    fn folded(&self) -> bool {
+        symmetric(self.pads)
+    }
+
+    /// `x` as the convolution takes it: copied with its pads unless they are folded.
+    fn input<B: Backend>(&self, x: FloatTensor<B>) -> FloatTensor<B> {
+        if self.folded() {
+            x
+        } else {
+            padded::<B>(x, self.pads)
+        }
+    }
+}
+
+fn symmetric((left, right, top, bottom): (usize, usize, usize, usize)) -> bool {
+    left == right && top == bottom
+}
+
+fn padded<B: Backend>(x: FloatTensor<B>, pads: (usize, usize, usize, usize)) -> FloatTensor<B> {
+    if pads == (0, 0, 0, 0) {
+        return x;
+    }
+    prim(tensor::<B, 4>(x).pad(pads, PadMode::Constant(0.0)))
 }
 
 /// Convolution groups: one per input channel for a depthwise convolution.
@@ -49,9 +85,14 @@ pub fn conv_same<B: Backend>(
     depthwise: bool,
 ) -> FloatTensor<B> {
     let kernel = weight.shape().dims::<4>()[2];
-    let groups = groups(&x, depthwise);
-    let (x, options, _) = pad_same::<B>(x, kernel, stride, groups);
-    prim(conv2d(x, tensor(weight), bias.map(tensor), options))
+    let same = Same::new(&x, kernel, stride, groups(&x, depthwise));
+    let x = same.input::<B>(x);
+    prim(conv2d(
+        tensor::<B, 4>(x),
+        tensor(weight),
+        bias.map(tensor),
+        same.options,
+    ))
 }
 
 pub fn conv_same_backward<B: Backend>(
@@ -64,19 +105,36 @@ pub fn conv_same_backward<B: Backend>(
 ) -> ConvGrads<B> {
     let [batch, in_channels, h, w] = x.shape().dims();
     let kernel = weight.shape().dims::<4>()[2];
-    let groups = groups(&x, depthwise);
-    let (padded, options, [top, left]) = pad_same::<B>(x, kernel, stride, groups);
-    let padded = prim(padded);
+    let same = Same::new(&x, kernel, stride, groups(&x, depthwise));
+    let input = same.input::<B>(x.clone());
     let dx = wanted.x.then(|| {
         let dx = B::conv2d_x_backward(
-            padded.clone(),
+            input.clone(),
             weight.clone(),
             grad.clone(),
-            options.clone(),
+            same.options.clone(),
         );
+        if same.folded() {
+            return dx;
+        }
+        let (left, _, top, _) = same.pads;
         prim(tensor::<B, 4>(dx).slice([0..batch, 0..in_channels, top..top + h, left..left + w]))
     });
-    let dweight = B::conv2d_weight_backward(padded, weight, grad.clone(), options);
+    let dweight = if depthwise {
+        let padded = if same.folded() {
+            padded::<B>(x, same.pads)
+        } else {
+            input
+        };
+        prim(depthwise_weight_grad::<B>(
+            tensor(padded),
+            tensor(grad.clone()),
+            kernel,
+            stride,
+        ))
+    } else {
+        B::conv2d_weight_backward(input, weight, grad.clone(), same.options)
+    };
     let grad = tensor::<B, 4>(grad);
     let channels = grad.dims()[1];
     ConvGrads {
@@ -84,8 +142,51 @@ pub fn conv_same_backward<B: Backend>(
         weight: dweight,
         bias: wanted
             .bias
-            .then(|| prim(grad.sum_dims(&[0, 2, 3]).reshape([channels]))),
+            .then(|| prim(channel_sums(grad).reshape([channels]))),
     }
+}
+
+/// The weight gradient of a depthwise convolution of the (already padded) input: for each
+/// tap of the kernel, the strided window of the input that the tap sees times the output
+/// gradient, summed over the batch and space; all taps in one product and one sum. Burn's
+/// grouped weight gradient on its GPU backends loops over the groups instead (a slice, a
+/// convolution and a slice assignment per channel: thousands of kernel launches a step).
+fn depthwise_weight_grad<B: Backend>(
+    padded: Tensor<B, 4>,
+    grad: Tensor<B, 4>,
+    kernel: usize,
+    stride: usize,
+) -> Tensor<B, 4> {
+    let [batch, channels, rows, cols] = grad.dims();
+    let taps = kernel * kernel;
+    let windows = (0..taps)
+        .map(|tap| {
+            let (ky, kx) = (tap / kernel, tap % kernel);
+            let (y_end, x_end) = (ky + stride * (rows - 1) + 1, kx + stride * (cols - 1) + 1);
+            padded
+                .clone()
+                .slice(s![.., .., ky..y_end;stride, kx..x_end;stride])
+        })
+        .collect();
+    let products = Tensor::<B, 4>::stack::<5>(windows, 0) * grad.unsqueeze_dim::<5>(0);
+    products
+        .reshape([taps, batch, channels, rows * cols])
+        .sum_dim(3)
+        .sum_dim(1)
+        .reshape([taps, channels])
+        .transpose()
+        .reshape([channels, 1, kernel, kernel])
+}
+
+/// The sum over the batch and space of each channel, `[1, c, 1, 1]`: one reduction over the
+/// whole tensor (each image's planes) and one over the batch's partial sums, where
+/// `sum_dims(&[0, 2, 3])` makes three passes, each a kernel of its own on a GPU.
+fn channel_sums<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [batch, channels, h, w] = x.dims();
+    x.reshape([batch, channels, h * w])
+        .sum_dim(2)
+        .sum_dim(0)
+        .reshape([1, channels, 1, 1])
 }
 
 fn per_channel<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
@@ -103,13 +204,9 @@ pub fn batch_norm_relu6<B: Backend>(
     let x = tensor::<B, 4>(x);
     let [batch, channels, h, w] = x.dims();
     let count = (batch * h * w) as f64;
-    let mean = x.clone().sum_dims(&[0, 2, 3]).div_scalar(count);
+    let mean = channel_sums(x.clone()).div_scalar(count);
     let centred = x - mean.clone();
-    let variance = centred
-        .clone()
-        .square()
-        .sum_dims(&[0, 2, 3])
-        .div_scalar(count);
+    let variance = channel_sums(centred.clone().square()).div_scalar(count);
     let inv_std = variance.clone().add_scalar(epsilon).sqrt().recip();
     let y = (centred * inv_std * per_channel(gamma) + per_channel(beta)).clamp(0.0, 6.0);
     BatchNormOutput {
@@ -141,8 +238,8 @@ pub fn batch_norm_relu6_backward<B: Backend>(
         .bool_or(z.greater_equal_elem(6.0));
     let dz = grad.mask_fill(blocked, 0.0);
     let x_hat = centred * inv_std.clone();
-    let dbeta = dz.clone().sum_dims(&[0, 2, 3]);
-    let dgamma = (dz.clone() * x_hat.clone()).sum_dims(&[0, 2, 3]);
+    let dbeta = channel_sums(dz.clone());
+    let dgamma = channel_sums(dz.clone() * x_hat.clone());
     let dx = (dz - dbeta.clone().div_scalar(count) - x_hat * dgamma.clone().div_scalar(count))
         * inv_std
         * per_channel(gamma);

@@ -1,11 +1,12 @@
 //! The in-process all-reduce: replicas of one process deposit their buckets, the sum is formed
 //! in replica order on the first replica's device, and in a multi-node run that local sum is
 //! handed to a [`NodeExchange`] (the multi-node transport) before every replica gets the mean.
-//! Whatever every replica must agree on (the mean, its norm) is formed once and copied.
+//! Whatever every replica must agree on (the mean, its norm) is formed once and copied to
+//! every replica's device before any replica goes on.
 
 use std::sync::{Arc, Condvar, Mutex};
 
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{Backend, BackendTypes};
 use burn::tensor::{Tensor, TensorData};
 
 use super::transfer::Transfer;
@@ -42,10 +43,15 @@ pub trait GradientSync<B: Backend>: Send + Sync {
 
 struct Round<B: Backend> {
     deposits: Vec<Option<Vec<Tensor<B, 1>>>>,
-    result: Option<Arc<Mean<B>>>,
+    /// Each replica's copy of the mean, on its own device, taken by that replica.
+    result: Option<Vec<Option<Mean<B>>>>,
     taken: usize,
     aborted: Option<String>,
 }
+
+/// Moves a tensor to a device: the run's [`Transfer`] path (a recorder in tests).
+type CopyTo<B> =
+    Arc<dyn Fn(Tensor<B, 1>, &<B as BackendTypes>::Device) -> Tensor<B, 1> + Send + Sync>;
 
 /// Sums values over the machines of a multi-node run.
 pub trait NodeExchange: Send + Sync {
@@ -78,14 +84,36 @@ pub fn pairwise_sum<T>(mut items: Vec<T>, add: impl Fn(T, T) -> T) -> T {
     items.pop().expect("one left")
 }
 
+/// [`pairwise_sum`] of items that lie on several devices: every item but the first is first
+/// moved to the first one's device by `to_root` (Burn adds tensors on one device only).
+pub fn pairwise_sum_on_first<T>(
+    items: Vec<T>,
+    to_root: impl Fn(T) -> T,
+    add: impl Fn(T, T) -> T,
+) -> T {
+    let on_root = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| if i == 0 { item } else { to_root(item) })
+        .collect();
+    pairwise_sum(on_root, add)
+}
+
 /// All-reduce between threads of one process: the sum is formed on the first replica's
 /// device in replica order (so it is deterministic), divided by the replica count, and copied
 /// to every replica's device by the run's [`Transfer`] path. In a multi-node run that local
 /// mean is then averaged over the machines (every machine has the same number of replicas)
 /// before the replicas get it.
+///
+/// The thread that forms the mean also copies it to every replica's device before any
+/// replica returns: a replica that went on to queue its update while another still read the
+/// mean from its device would have that queue drained at an arbitrary point (under Burn's
+/// fusion a read drains the queue of the thread that made the tensor), and where the
+/// compiler contracts multiply-adds another cut of the fused kernels can change the last
+/// bits of one replica's update.
 pub struct InProcessAllReduce<B: Backend> {
     replicas: usize,
-    transfer: Transfer,
+    copy_to: CopyTo<B>,
     nodes: Option<Arc<dyn NodeExchange>>,
     state: Mutex<Round<B>>,
     signal: Condvar,
@@ -94,9 +122,16 @@ pub struct InProcessAllReduce<B: Backend> {
 impl<B: Backend> InProcessAllReduce<B> {
     /// A reducer for `replicas` participants whose tensors travel by `transfer`.
     pub fn new(replicas: usize, transfer: Transfer) -> Self {
+        Self::with_copy(
+            replicas,
+            Arc::new(move |tensor, device| transfer.to(tensor, device)),
+        )
+    }
+
+    fn with_copy(replicas: usize, copy_to: CopyTo<B>) -> Self {
         Self {
             replicas,
-            transfer,
+            copy_to,
             nodes: None,
             state: Mutex::new(Round {
                 deposits: vec![None; replicas],
@@ -164,29 +199,43 @@ impl<B: Backend> InProcessAllReduce<B> {
 
 impl<B: Backend> InProcessAllReduce<B> {
     /// The mean of every replica's deposit (and its norm when asked for), formed once, on the
-    /// first replica's device, by the last replica to arrive.
+    /// first replica's device, by the last replica to arrive, and copied to every replica's
+    /// device (in replica order).
     fn reduce(
         &self,
         deposits: Vec<Vec<Tensor<B, 1>>>,
         norm_before_tail: Option<usize>,
-    ) -> Result<Mean<B>, String> {
-        let root = deposits[0]
-            .first()
-            .map(|b| b.device())
+    ) -> Result<Vec<Option<Mean<B>>>, String> {
+        let devices = deposits
+            .iter()
+            .map(|d| d.first().map(|b| b.device()))
+            .collect::<Option<Vec<_>>>()
             .ok_or("no gradients to exchange")?;
-        let transfer = self.transfer;
-        let sum = pairwise_sum(deposits, |a, b| {
-            a.into_iter()
-                .zip(b)
-                .map(|(a, b)| a + transfer.to(b, &root))
-                .collect()
-        });
+        let root = &devices[0];
+        let sum = pairwise_sum_on_first(
+            deposits,
+            |d| d.into_iter().map(|b| (self.copy_to)(b, root)).collect(),
+            |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect(),
+        );
         let buckets = self.finish(sum)?;
         let squared_norm = norm_before_tail.and_then(|tail| squared_norm(&buckets, tail));
-        Ok(Mean {
+        let mean = Mean {
             buckets,
             squared_norm,
-        })
+        };
+        Ok(devices
+            .iter()
+            .map(|device| Some(self.copy_mean(&mean, device)))
+            .collect())
+    }
+
+    /// `mean` on `device`.
+    fn copy_mean(&self, mean: &Mean<B>, device: &B::Device) -> Mean<B> {
+        let copy = |t: &Tensor<B, 1>| (self.copy_to)(t.clone(), device);
+        Mean {
+            buckets: mean.buckets.iter().map(copy).collect(),
+            squared_norm: mean.squared_norm.as_ref().map(copy),
+        }
     }
 
     /// Waits until the previous round's result has been taken by everyone, then checks that
@@ -234,19 +283,16 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
             });
         }
         if self.replicas == 1 {
-            return self.reduce(vec![buckets], norm_before_tail);
+            let mut mine = self.reduce(vec![buckets], norm_before_tail)?;
+            return Ok(mine.pop().flatten().expect("one replica's mean"));
         }
-        let device = buckets
-            .first()
-            .map(|b| b.device())
-            .ok_or("no gradients to exchange")?;
         let sizes: Vec<usize> = buckets.iter().map(|b| b.dims()[0]).collect();
         let mut state = self.wait_for_round(replica, &sizes)?;
         state.deposits[replica] = Some(buckets);
         if state.deposits.iter().all(Option::is_some) {
             let all = state.deposits.iter_mut().flat_map(Option::take).collect();
             match self.reduce(all, norm_before_tail) {
-                Ok(mean) => state.result = Some(Arc::new(mean)),
+                Ok(means) => state.result = Some(means),
                 Err(why) => state.aborted = Some(why),
             }
             self.signal.notify_all();
@@ -257,19 +303,18 @@ impl<B: Backend> GradientSync<B> for InProcessAllReduce<B> {
         if let Some(why) = &state.aborted {
             return Err(why.clone());
         }
-        let result = state.result.clone().expect("result present");
+        let mine = state
+            .result
+            .as_mut()
+            .and_then(|means| means[replica].take())
+            .ok_or_else(|| format!("replica {replica} took the mean of this round twice"))?;
         state.taken += 1;
         if state.taken == self.replicas {
             state.result = None;
             state.taken = 0;
             self.signal.notify_all();
         }
-        drop(state);
-        let to_here = |t: &Tensor<B, 1>| self.transfer.to(t.clone(), &device);
-        Ok(Mean {
-            buckets: result.buckets.iter().map(to_here).collect(),
-            squared_norm: result.squared_norm.as_ref().map(to_here),
-        })
+        Ok(mine)
     }
 
     fn single_replica(&self) -> bool {
@@ -350,6 +395,65 @@ mod tests {
         for handle in handles {
             // mean [3, 0], [4, 100]: 100 is the tail
             assert_eq!(handle.join().unwrap(), (25.0, vec![4.0, 100.0]));
+        }
+    }
+
+    /// Four and more devices: the second pair's left operand lies on its own device, so every
+    /// item but the first goes to the first one's device before any addition.
+    #[test]
+    fn a_sum_over_several_devices_adds_on_the_first_device_only() {
+        for devices in 2..=8usize {
+            // (value, device): adding across devices is refused, as Burn refuses it
+            let items: Vec<(f32, usize)> = (0..devices).map(|d| (d as f32, d)).collect();
+            let moved = std::sync::Mutex::new(Vec::new());
+            let (sum, device) = pairwise_sum_on_first(
+                items,
+                |(v, d)| {
+                    moved.lock().unwrap().push(d);
+                    (v, 0)
+                },
+                |(a, da), (b, db)| {
+                    assert_eq!(da, db, "an addition across devices");
+                    (a + b, da)
+                },
+            );
+            assert_eq!((sum, device), ((devices * (devices - 1) / 2) as f32, 0));
+            assert_eq!(*moved.lock().unwrap(), (1..devices).collect::<Vec<_>>());
+        }
+    }
+
+    /// No replica returns before every replica's copy of the mean has been made: each copy
+    /// takes longer than the one before, and every replica, when it returns, finds every copy
+    /// of the round done (deposits to the first device and the mean to each device).
+    #[test]
+    fn no_replica_goes_on_before_every_replica_holds_the_mean() {
+        let replicas = 4;
+        let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let copy_to: CopyTo<Flex> = {
+            let (done, calls) = (done.clone(), calls.clone());
+            Arc::new(move |t, _| {
+                let k = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(10 * k as u64));
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                t
+            })
+        };
+        let sync = Arc::new(InProcessAllReduce::<Flex>::with_copy(replicas, copy_to));
+        let handles: Vec<_> = (0..replicas)
+            .map(|i| {
+                let (sync, done) = (sync.clone(), done.clone());
+                std::thread::spawn(move || {
+                    let mean = sync.all_reduce_mean(i, vec![t(&[i as f32])], None).unwrap();
+                    let seen = done.load(std::sync::atomic::Ordering::SeqCst);
+                    (seen, mean.buckets[0].clone().into_scalar())
+                })
+            })
+            .collect();
+        // three deposits to the first device, the mean to each of the four
+        let copies = (replicas - 1) + replicas;
+        for handle in handles {
+            assert_eq!(handle.join().unwrap(), (copies, 1.5));
         }
     }
 
