@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The short check for a machine with CUDA GPUs (one H200 and 15 minutes are enough). Builds
+# The short check for a machine with CUDA GPUs (sized for one H200 and 15 minutes). Builds
 # nothing: run it from the repository root next to `train` and `xtask` binaries built
 # elsewhere (cargo build --release --workspace), e.g.
 #   BIN=./train XTASK=./xtask PEER_DIR=peer scripts/gpu-check.sh
 # Parts: an untimed warm-up that fills cubecl's kernel caches (compilation and autotune, kept
 # under $OUT/cubecl-cache); a synthetic run on device 0; the same on two wgpu devices of the
 # one GPU (`wgpu:0,1`: the multi-device path at GPU speed); with two or more CUDA GPUs
-# `--devices 0,1` by the default exchange and through the host; the bench's device-0 cases;
-# and, with PEER_DIR (a copy of ../shared/bench/peer/) and torch installed, the PyTorch
-# peer's step on the same GPU, TF32 stated. Every part's output goes to $OUT.
+# `--devices 0,1` by the default exchange and through the host; the bench's device-0 cases
+# (training and inference steps, and the depthwise filter gradients as trained against
+# Burn's grouped convolution); and, with PEER_DIR (a copy of ../shared/bench/peer/) and
+# torch installed, the PyTorch peer's step on the same GPU, TF32 stated. The wgpu part
+# runs last. Every part's output goes to $OUT.
+# With empty caches the first CUDA step compiles every kernel with NVRTC, about 0.7 s each on
+# an H200: the synthetic config's first step had not finished after 455 s (2026-12-04), so
+# the warm-up is given 540 s and autotuning its minimal level (CUBECL_AUTOTUNE_LEVEL, fewer
+# candidates to compile); on a cold machine the whole check outlasts 15 minutes.
 # Exits non-zero when a training part fails, or when two runs that must agree do not: the
 # exchange paths of `--devices 0,1` give losses within LOSS_RTOL (relative, default 1e-3) of
 # each other at every logged step.
@@ -18,6 +24,7 @@ XTASK=${XTASK:-target/release/xtask}
 STEPS=${STEPS:-30}
 OUT=${OUT:-gpu-check}
 LOSS_RTOL=${LOSS_RTOL:-1e-3}
+export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # cubecl reads cubecl.toml from the working directory: compiled kernels and autotune results
@@ -59,9 +66,22 @@ PY
 }
 
 # warm-up, untimed: compiles every kernel of the synthetic and the pets model once
-train_part warm-up 240 --devices 0 --num-steps 3 --no-eval
+train_part warm-up 540 --devices 0 --num-steps 3 --no-eval
 train_part synthetic-0 150 --devices 0 --num-steps "$STEPS"
-train_part synthetic-wgpu01 150 --devices wgpu:0,1 --num-steps "$STEPS" --no-eval
+# without the toolkit's headers (as on a driver-only host) the run is refused at once,
+# naming what is missing, where cubecl would panic in its runner thread and hang
+mkdir -p "$OUT/no-toolkit"
+start=$(date +%s%N)
+status=0
+CUDA_PATH="$OUT/no-toolkit" timeout 60 "$BIN" --devices 0 --num-steps 1 \
+  --model-dir "$OUT/no-toolkit-run" >"$OUT/no-toolkit.log" 2>&1 || status=$?
+echo "== no-toolkit: exit $status after $(( ($(date +%s%N) - start) / 1000000 )) ms" |
+  tee -a "$OUT/train.txt"
+grep -m1 "cuda_runtime.h does not exist" "$OUT/no-toolkit.log" | tee -a "$OUT/train.txt"
+if [ "$status" = 0 ] || [ "$status" = 124 ]; then
+  echo "gpu-check: a run without the CUDA headers was not refused" | tee -a "$OUT/train.txt"
+  exit 1
+fi
 if [ "$GPUS" -ge 2 ]; then
   # a checkpoint every 10 steps first checks that the replicas hold bit-identical weights
   train_part synthetic-01-default 90 --devices 0,1 --num-steps "$STEPS" --no-eval
@@ -72,10 +92,16 @@ fi
 # batch in memory, inference at batch 1 (with and without NMS) and 8
 timeout 240 "$XTASK" bench --only="--devices 0" --repeats 5 --out "$OUT/bench.json" 2>&1 |
   tee "$OUT/bench.txt"
+# kernel launches per training step (synthetic and pets, 12 images) and per depthwise filter
+# gradient, as trained and by Burn's grouped convolution
+timeout 180 "$XTASK" launches --device 0 --batch 12 --out "$OUT/launches.json" 2>&1 |
+  tee "$OUT/launches.txt"
 if [ -n "${PEER_DIR:-}" ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for tf32 in default off; do
     timeout 120 python3 scripts/torch_gpu_step.py "$PEER_DIR" --batch 12 24 --tf32 "$tf32" |
       tee -a "$OUT/torch.txt"
   done
 fi
+# the multi-device path at GPU speed, last: it needs a Vulkan loader and driver
+train_part synthetic-wgpu01 150 --devices wgpu:0,1 --num-steps "$STEPS" --no-eval
 echo "gpu-check: every part passed"

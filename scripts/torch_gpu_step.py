@@ -3,8 +3,10 @@
 Imports the peer's model, target assignment, loss and optimizer (`torch_ssd_mobilenet_v1.py`
 in PEER_DIR, a copy of ../shared/bench/peer/) and times its step (assign, forward, loss,
 backward, RMSProp) on `cuda:0` at the given batch sizes, synchronising the GPU around each
-step. TF32 is stated: PyTorch's default is TF32 off for matrix products and on for cuDNN
-convolutions; `--tf32 off` turns both off (the precision of our float32 kernels).
+step. The peer's target assignment indexes with host tensors, so it runs on the CPU, as the
+peer writes it, and its targets are copied to the GPU within the timed step. TF32 is stated:
+PyTorch's default is TF32 off for matrix products and on for cuDNN convolutions; `--tf32 off`
+turns both off (the precision of our float32 kernels).
 
     python3 scripts/torch_gpu_step.py PEER_DIR [--batch 12 24] [--tf32 default|off]
 
@@ -35,20 +37,24 @@ def main():
         torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda:0")
     # the feature maps of the 300x300 input, as the peer's own benchmark builds its anchors
-    anchors = peer.ssd_anchors([(19, 19), (10, 10), (5, 5), (3, 3), (2, 2), (1, 1)]).to(device)
+    anchors = peer.ssd_anchors([(19, 19), (10, 10), (5, 5), (3, 3), (2, 2), (1, 1)])
     results = []
     for batch in args.batch:
         torch.manual_seed(0)
         model = peer.SSDMobileNetV1().train().to(device)
         opt = peer.make_optimizer(model)
         gen = torch.Generator().manual_seed(batch)
-        pool = [tuple(t.to(device) for t in peer.random_batch(batch, gen)) for _ in range(3)]
+        pool = []
+        for _ in range(3):
+            images, *boxes = peer.random_batch(batch, gen)
+            pool.append((images.to(device), *boxes))
         times = []
         for step in range(args.warmup + args.steps):
             images, gt_boxes, gt_classes, gt_valid = pool[step % len(pool)]
             torch.cuda.synchronize()
             start = time.perf_counter()
-            class_t, box_t, positive = peer.assign_targets(gt_boxes, gt_classes, gt_valid, anchors)
+            targets = peer.assign_targets(gt_boxes, gt_classes, gt_valid, anchors)
+            class_t, box_t, positive = (t.to(device) for t in targets)
             box_codes, logits = model(images)
             cls_loss, loc_loss = peer.ssd_loss(box_codes, logits, class_t, box_t, positive)
             opt.zero_grad(set_to_none=True)

@@ -10,13 +10,15 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{Distribution, Tensor, TensorMetadata, TensorPrimitive};
 use data::augment::Augmentation;
 use data::loader::{Loader, LoaderConfig, Position, load_sample};
 use data::synthetic::write_resized_set;
 use data::tfrecord::RecordIndex;
 use model::inference::postprocess;
-use model::ops::SsdBackend;
+use model::mobilenet::{CONV0_DEPTH, SEPARABLE_BLOCKS};
+use model::ops::{ConvGradsWanted, SsdBackend};
 use model::ssd::anchors;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -51,6 +53,16 @@ pub enum Case {
     },
     /// Decode + augmentation + resize of 500x375 JPEGs.
     Data { workers: usize },
+    /// The filter gradients of the pets network's 13 depthwise layers (300x300, depth 1),
+    /// as the training step computes them (`SsdBackend::conv_same_backward`), or with
+    /// `burn` by Burn's grouped-convolution weight gradient, which its GPU backends run as
+    /// a loop over the channels.
+    DepthwiseGrad {
+        /// `cpu`, `wgpu` or a CUDA ordinal.
+        device: String,
+        batch: usize,
+        burn: bool,
+    },
 }
 
 impl Case {
@@ -90,6 +102,18 @@ impl Case {
                 format!("inference {on}batch {batch}{what}")
             }
             Case::Data { workers } => format!("data pipeline, {workers} worker(s)"),
+            Case::DepthwiseGrad {
+                device,
+                batch,
+                burn,
+            } => {
+                let how = if *burn {
+                    "Burn's grouped convolution"
+                } else {
+                    "as trained"
+                };
+                format!("depthwise filter gradients --devices {device}, batch {batch}, {how}")
+            }
         }
     }
 }
@@ -158,6 +182,15 @@ pub fn run_case(case: &Case, scratch: &Path, repeats: usize) -> Result<()> {
             repeats,
         })?,
         Case::Data { workers } => data_case(*workers, scratch, repeats)?,
+        Case::DepthwiseGrad {
+            device,
+            batch,
+            burn,
+        } => parse_device(device)?.run(DepthwiseGrads {
+            batch: *batch,
+            burn: *burn,
+            repeats,
+        })?,
     };
     println!("{}", serde_json::to_string(&measured)?);
     Ok(())
@@ -219,6 +252,21 @@ fn cpu() -> String {
     "cpu".into()
 }
 
+/// The config file `path` training at `batch` on the bench's JPEG set, with no checkpoint, log
+/// line or evaluation on the way.
+pub(crate) fn bench_config(path: &Path, batch: usize, scratch: &Path) -> Result<TrainConfig> {
+    let records = bench_records(scratch)?;
+    let mut config = TrainConfig::load(path)?;
+    config.train.batch_size = batch;
+    config.train.checkpoint_every = u64::MAX;
+    config.train.log_every = u64::MAX;
+    config.eval.every = 0;
+    config.data.train = records.iter().map(|p| p.display().to_string()).collect();
+    config.data.eval = Vec::new();
+    config.data.synthetic_if_missing = false;
+    Ok(config)
+}
+
 fn train_case(
     devices: &str,
     batch: usize,
@@ -226,16 +274,9 @@ fn train_case(
     scratch: &Path,
     repeats: usize,
 ) -> Result<Measured> {
-    let records = bench_records(scratch)?;
-    let mut config = TrainConfig::load(&workspace().join("configs/ssd_mobilenet_v1_pets.json"))?;
-    config.train.batch_size = batch;
+    let pets = workspace().join("configs/ssd_mobilenet_v1_pets.json");
+    let mut config = bench_config(&pets, batch, scratch)?;
     config.train.num_steps = (WARM_UP_STEPS + repeats) as u64;
-    config.train.checkpoint_every = u64::MAX;
-    config.train.log_every = u64::MAX;
-    config.eval.every = 0;
-    config.data.train = records.iter().map(|p| p.display().to_string()).collect();
-    config.data.eval = Vec::new();
-    config.data.synthetic_if_missing = false;
     let model_dir = tempfile::tempdir_in(scratch)?;
     let options = RunOptions {
         model_dir: model_dir.path().to_path_buf(),
@@ -314,6 +355,117 @@ fn infer_case<B: SsdBackend>(
         postprocess_ms: with_nms.then_some(nms_ms),
         peak_mib: peak_mib(),
     })
+}
+
+/// [`depthwise_case`] as a [`BackendJob`].
+struct DepthwiseGrads {
+    batch: usize,
+    burn: bool,
+    repeats: usize,
+}
+
+impl BackendJob for DepthwiseGrads {
+    type Output = Measured;
+    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<Measured> {
+        let device = devices.into_iter().next().context("one device")?;
+        Ok(depthwise_case::<B>(
+            &device,
+            self.batch,
+            self.burn,
+            self.repeats,
+        ))
+    }
+}
+
+/// `(channels, input size, stride)` of MobileNet-v1's depthwise layers on a 300x300 image
+/// at depth multiplier 1.
+pub(crate) fn depthwise_layers() -> Vec<(usize, usize, usize)> {
+    // Conv2d_0 (stride 2) makes 150x150
+    let (mut channels, mut size) = (CONV0_DEPTH, 150_usize);
+    SEPARABLE_BLOCKS
+        .iter()
+        .map(|&(stride, depth)| {
+            let layer = (channels, size, stride);
+            (channels, size) = (depth, size.div_ceil(stride));
+            layer
+        })
+        .collect()
+}
+
+/// One depthwise layer's random input, filters and output gradient.
+pub(crate) struct DepthwiseLayer<B: SsdBackend> {
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    grad: Tensor<B, 4>,
+    stride: usize,
+}
+
+/// [`DepthwiseLayer`]s of the shapes of [`depthwise_layers`].
+pub(crate) fn depthwise_inputs<B: SsdBackend>(
+    device: &B::Device,
+    batch: usize,
+) -> Vec<DepthwiseLayer<B>> {
+    let random = |shape: [usize; 4]| Tensor::<B, 4>::random(shape, Distribution::Default, device);
+    depthwise_layers()
+        .into_iter()
+        .map(|(c, size, stride)| {
+            let out = size.div_ceil(stride);
+            DepthwiseLayer {
+                x: random([batch, c, size, size]),
+                weight: random([c, 1, 3, 3]),
+                grad: random([batch, c, out, out]),
+                stride,
+            }
+        })
+        .collect()
+}
+
+/// One depthwise layer's filter gradient, as trained or (`burn`) by Burn's grouped
+/// convolution; returns once it is computed (the small result is read back).
+pub(crate) fn depthwise_filter_grad<B: SsdBackend>(layer: &DepthwiseLayer<B>, burn: bool) {
+    let [x, weight, grad] =
+        [&layer.x, &layer.weight, &layer.grad].map(|t| t.clone().into_primitive().tensor());
+    let stride = layer.stride;
+    let filter_grad = if burn {
+        let groups = weight.shape().dims::<4>()[0];
+        // padding 1 gives each stride the output size of TF's SAME
+        let options = ConvOptions::new([stride; 2], [1, 1], [1, 1], groups);
+        B::conv2d_weight_backward(x, weight, grad, options)
+    } else {
+        let wanted = ConvGradsWanted {
+            x: false,
+            bias: false,
+        };
+        B::conv_same_backward(x, weight, grad, stride, true, wanted).weight
+    };
+    let _ = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(filter_grad)).into_data();
+}
+
+fn depthwise_case<B: SsdBackend>(
+    device: &B::Device,
+    batch: usize,
+    burn: bool,
+    repeats: usize,
+) -> Measured {
+    let layers = depthwise_inputs::<B>(device, batch);
+    let mut ms = Vec::new();
+    for i in 0..WARM_UP_STEPS + repeats {
+        let start = Instant::now();
+        for layer in &layers {
+            depthwise_filter_grad(layer, burn);
+        }
+        if i >= WARM_UP_STEPS {
+            ms.push(start.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    Measured {
+        images_per_sec: ms.iter().map(|m| 1000.0 * batch as f64 / m).collect(),
+        ms_per_batch: ms,
+        sync_share: None,
+        data_wait_share: None,
+        postprocess_ms: None,
+        peak_mib: peak_mib(),
+    }
 }
 
 fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured> {
@@ -397,12 +549,21 @@ pub fn cases(cuda_devices: &[usize], wgpu: bool, cores: usize) -> Vec<Case> {
             cases.push(train(all.clone(), 8 * cuda_devices.len(), 0, in_memory));
         }
     }
-    for device in std::iter::once("cpu".to_string()).chain(gpus) {
+    for device in std::iter::once("cpu".to_string()).chain(gpus.clone()) {
         for (batch, postprocess) in [(1, false), (1, true), (8, false)] {
             cases.push(Case::Infer {
                 device: device.clone(),
                 batch,
                 postprocess,
+            });
+        }
+    }
+    for device in gpus {
+        for burn in [false, true] {
+            cases.push(Case::DepthwiseGrad {
+                device: device.clone(),
+                batch: 24,
+                burn,
             });
         }
     }
@@ -610,8 +771,15 @@ mod tests {
                 assert!(labels.contains(&infer), "{infer} missing: {labels:?}");
             }
         }
+        for how in ["as trained", "Burn's grouped convolution"] {
+            let depthwise = format!("depthwise filter gradients --devices 0, batch 24, {how}");
+            assert!(
+                labels.contains(&depthwise),
+                "{depthwise} missing: {labels:?}"
+            );
+        }
         let gpu = labels.iter().filter(|l| l.contains("--devices 0")).count();
-        assert_eq!(gpu, 7, "{labels:?}");
+        assert_eq!(gpu, 9, "{labels:?}");
         assert!(
             cases(&[], false, 2)
                 .iter()
@@ -631,7 +799,18 @@ mod tests {
             .iter()
             .filter(|l| l.contains("--devices wgpu"))
             .count();
-        assert_eq!(wgpu, 7, "{labels:?}");
+        assert_eq!(wgpu, 9, "{labels:?}");
+    }
+
+    /// The 13 depthwise layers of MobileNet-v1 on 300x300: 150x150 after Conv2d_0, sizes
+    /// halved (rounded up) by the stride-2 layers, down to 1024 channels on 10x10.
+    #[test]
+    fn the_depthwise_layers_are_mobilenets() {
+        let layers = depthwise_layers();
+        assert_eq!(layers.len(), 13);
+        assert_eq!(layers[..3], [(32, 150, 1), (64, 150, 2), (128, 75, 1)]);
+        assert_eq!(layers[5], (256, 38, 2));
+        assert_eq!(layers[12], (1024, 10, 1));
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Developer and dataset tasks: `cargo xtask prepare-data`, `cargo xtask inspect`,
-//! `cargo xtask bench`.
+//! `cargo xtask bench`, `cargo xtask launches`.
 
 mod bench;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+mod launches;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -54,6 +56,23 @@ enum Command {
         /// lavapipe).
         #[arg(long)]
         wgpu: bool,
+    },
+    /// Kernel launches on a GPU per training step (each config) and per depthwise filter
+    /// gradient (as trained and by Burn's grouped convolution), from cubecl's execution log.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    Launches {
+        /// `wgpu` (the default adapter) or a CUDA ordinal.
+        #[arg(long, default_value = "wgpu")]
+        device: String,
+        /// Config files.
+        #[arg(long, num_args = 1.., default_values = ["configs/synthetic.json", "configs/ssd_mobilenet_v1_pets.json"])]
+        configs: Vec<PathBuf>,
+        /// Images per step.
+        #[arg(long, default_value_t = 12)]
+        batch: usize,
+        /// The JSON report.
+        #[arg(long, default_value = "target/launches.json")]
+        out: PathBuf,
     },
     /// One benchmark case (run by `bench` in a child process).
     #[command(hide = true)]
@@ -137,6 +156,18 @@ fn main() -> Result<()> {
             }
             bench::run_all(&cases, repeats.max(1), &out)
         }
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        Command::Launches {
+            device,
+            configs,
+            batch,
+            out,
+        } => launches::run(&launches::Request {
+            device,
+            configs,
+            batch,
+            out,
+        }),
         Command::BenchCase {
             case,
             scratch,

@@ -13,7 +13,9 @@ use std::path::Path;
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Flex, Wgpu};
 use common::{config, losses, max_diff, prepare, run_on, weights};
+use model::Ssd;
 use model::ops::{SsdBackend, WgpuUnfused};
+use model::weights::load_weights;
 use train::config::TrainConfig;
 use train::learner::RunSummary;
 
@@ -40,12 +42,16 @@ fn cpu<B: SsdBackend>(replicas: usize) -> Vec<B::Device> {
 }
 
 /// Four wgpu devices (four memories, tensors staged through the host between them) take the
-/// steps four CPU replicas take, within float tolerance, with clipping and the weight EMA; a
-/// checkpoint after every step first checks that the four replicas hold bit-identical
-/// weights. Four devices: the balanced sum's second pair, `(d2 + d3)`, has no operand on the
-/// first device, which two devices never show. Two steps: in this tiny network (1x1 feature
-/// maps normalised over two images) rounding differences grow fast: two CPU backends
-/// (burn-flex, burn-ndarray) differ by 0.4% in the loss by the fourth step.
+/// steps four CPU replicas take, with clipping and the weight EMA; a checkpoint after every
+/// step first checks that the four replicas hold bit-identical weights. Four devices: the
+/// balanced sum's second pair, `(d2 + d3)`, has no operand on the first device, which two
+/// devices never show. The first step, from the same weights, is compared closely
+/// ([`assert_first_step_agrees`]; measured: losses within 4e-7, the update within 1.0% of the
+/// largest, where leaving out a replica's gradient moves it by about a quarter); the second
+/// step's loss within 1%: rounding differences
+/// in the first update grow fast in this tiny network (hard example mining is a selection,
+/// and 1x1 feature maps are normalised over two images): two CPU backends differ by 0.05%
+/// at the second step and by 2% within twenty (docs/perf.md).
 #[test]
 fn four_wgpu_devices_train_like_four_cpu_replicas_and_stay_identical() {
     let Some(devices) = wgpu_devices(&[0, 1, 2, 3]) else {
@@ -65,9 +71,53 @@ fn four_wgpu_devices_train_like_four_cpu_replicas_and_stay_identical() {
     let (gpu, cpu_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     assert_eq!(run::<Wgpu>(&c, gpu.path(), &devices).step, 2);
     run::<Flex>(&c, cpu_dir.path(), &cpu::<Flex>(4));
-    assert_losses_close(&losses(gpu.path()), &losses(cpu_dir.path()), 2);
-    let d = max_diff(&weights(&c, gpu.path()), &weights(&c, cpu_dir.path()));
-    assert!(d < 2e-3, "max weight difference {d}");
+    assert_first_step_agrees(&c, gpu.path(), cpu_dir.path(), 1e-5, 0.05);
+    let (got, want) = (losses(gpu.path())[1], losses(cpu_dir.path())[1]);
+    assert!(
+        (got - want).abs() <= 1e-2 * want.abs(),
+        "{got} against {want}"
+    );
+}
+
+/// The first step of two runs from the same weights: losses within `loss_rtol` (relative),
+/// and the update it makes to the first convolution's and the first class head's filters
+/// within `update_rtol` of the largest update.
+fn assert_first_step_agrees(c: &TrainConfig, a: &Path, b: &Path, loss_rtol: f64, update_rtol: f32) {
+    let (got, want) = (losses(a)[0], losses(b)[0]);
+    assert!(
+        (got - want).abs() <= loss_rtol * want.abs(),
+        "first step's loss {got} against {want}"
+    );
+    let start = filters(
+        &c.model
+            .init::<Flex>(c.train.seed, &Default::default())
+            .unwrap(),
+    );
+    let [got, want] = [a, b].map(|dir| {
+        let ckpt = dir.join("ckpt-00000001/model.mpk");
+        filters(&load_weights::<Flex>(&c.model, &ckpt, &Default::default()).unwrap())
+    });
+    let (update, d) = (max_diff(&want, &start), max_diff(&got, &want));
+    eprintln!(
+        "first step: losses {got_loss} and {want_loss}; largest update {update:.2e}, largest difference {d:.2e}",
+        got_loss = losses(a)[0],
+        want_loss = losses(b)[0]
+    );
+    assert!(
+        update > 0.0 && d <= update_rtol * update,
+        "update {update}, difference {d}"
+    );
+}
+
+/// The first convolution's and the first class head's filters.
+fn filters(net: &Ssd<Flex>) -> Vec<f32> {
+    [
+        net.backbone.conv0.conv.weight.val(),
+        net.class_heads[0].weight.val(),
+    ]
+    .into_iter()
+    .flat_map(|w| w.into_data().to_vec::<f32>().unwrap())
+    .collect()
 }
 
 fn assert_losses_close(got: &[f64], want: &[f64], steps: usize) {
@@ -105,10 +155,11 @@ fn a_checkpoint_moves_between_wgpu_and_the_cpu() {
     assert!(back.last_loss.total.is_finite());
 }
 
-/// Kernel fusion changes training by rounding at most: four steps on one wgpu device, with
-/// and without fusion (clipping and the weight EMA on), give the same losses within 1e-4 and
-/// weights within 5e-4 (measured: 5e-6 and 1e-4 by the fourth step; two CPU backends differ
-/// by 0.5% in the loss by the second step). The largest differences are printed.
+/// Kernel fusion changes training by rounding at most: two steps on one wgpu device, with
+/// and without fusion (clipping and the weight EMA on): the first step's loss within 1e-5 and
+/// its update within 0.1% of the largest, the second step's loss within 1e-3 (measured: the
+/// same first loss, the update within 1.2e-5 of the largest, 6e-8 at the second step; by the
+/// fourth, a different hard-example selection can make 0.5%). The differences are printed.
 #[test]
 fn fusion_changes_training_only_by_rounding() {
     let Some(devices) = wgpu_devices(&[0]) else {
@@ -116,24 +167,20 @@ fn fusion_changes_training_only_by_rounding() {
     };
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
-    let mut c = config(data.path(), 4);
+    let mut c = config(data.path(), 2);
+    c.train.checkpoint_every = 1;
     c.train.gradient_clipping_by_norm = Some(10.0);
     c.train.moving_average_decay = Some(0.99);
     let (fused, unfused) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     run::<Wgpu>(&c, fused.path(), &devices);
     run::<WgpuUnfused>(&c, unfused.path(), &devices);
-    let (with, without) = (losses(fused.path()), losses(unfused.path()));
-    let d = max_diff(&weights(&c, fused.path()), &weights(&c, unfused.path()));
-    eprintln!(
-        "wgpu, 4 steps, fusion on: losses {with:?}; off: {without:?}; largest weight difference {d:.2e}"
+    assert_first_step_agrees(&c, fused.path(), unfused.path(), 1e-5, 1e-3);
+    let (with, without) = (losses(fused.path())[1], losses(unfused.path())[1]);
+    eprintln!("second step: fusion on {with}, off {without}");
+    assert!(
+        (with - without).abs() <= 1e-3 * without.abs(),
+        "{with} against {without}"
     );
-    for (a, b) in with.iter().zip(&without) {
-        assert!(
-            (a - b).abs() <= 1e-4 * b.abs(),
-            "{with:?} against {without:?}"
-        );
-    }
-    assert!(d < 5e-4, "max weight difference {d}");
 }
 
 /// Copies a model dir (checkpoint folders, index, metrics).

@@ -1,6 +1,8 @@
 //! Which accelerators this machine has, which of them a run uses, and the one place that
 //! picks the backend for them ([`Devices::run`]).
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
@@ -14,11 +16,7 @@ use crate::config::TrainConfig;
 /// feature.
 #[cfg(feature = "cuda")]
 pub fn cuda_device_count() -> usize {
-    // SAFETY: only probes whether the CUDA driver library can be loaded.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return 0;
-    }
-    cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    cuda::device_count()
 }
 
 /// Number of CUDA devices the driver reports; 0 without a driver or without the `cuda`
@@ -135,11 +133,14 @@ impl Devices {
         match self {
             Devices::Cpu(n) => job.run::<Flex>(vec![Default::default(); *n]),
             #[cfg(feature = "cuda")]
-            Devices::Cuda(ids) => job.run::<burn::backend::Cuda>(
-                ids.iter()
-                    .map(|&i| burn::backend::cuda::CudaDevice::new(i))
-                    .collect(),
-            ),
+            Devices::Cuda(ids) => {
+                cuda::check_toolkit()?;
+                job.run::<burn::backend::Cuda>(
+                    ids.iter()
+                        .map(|&i| burn::backend::cuda::CudaDevice::new(i))
+                        .collect(),
+                )
+            }
             #[cfg(not(feature = "cuda"))]
             Devices::Cuda(_) => bail!("built without the `cuda` feature"),
             #[cfg(feature = "wgpu")]
@@ -162,23 +163,29 @@ pub fn parse_device(spec: &str) -> Result<Devices> {
     }
 }
 
-/// The most memory a run may plan to use on one GPU (no GPU has more): a guard against
-/// sizes that would abort in the allocator.
+/// The most memory a run may plan to use on a GPU whose memory is not known (wgpu; no GPU
+/// has more): a guard against sizes that would abort in the allocator.
 const MAX_DEVICE_BYTES: f64 = 1024.0 * GIB;
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Refuses a run whose training step cannot fit, with the figures: on the CPU the estimate
 /// (`model::memory::training_bytes`) for the whole batch against the machine's memory, on
-/// GPUs each device's share against [`MAX_DEVICE_BYTES`].
+/// GPUs each device's share against the smallest CUDA device's memory, or on wgpu against
+/// [`MAX_DEVICE_BYTES`].
 pub fn check_memory(config: &TrainConfig, devices: &Devices) -> Result<()> {
     let batch = config.train.batch_size;
+    let per_gpu = |ids: &[usize]| batch.div_ceil(ids.len().max(1));
     let (images, available, place) = match devices {
-        Devices::Cpu(_) => (batch, host_memory_bytes(), "this machine has"),
-        Devices::Cuda(ids) | Devices::Wgpu(ids) => (
-            batch.div_ceil(ids.len().max(1)),
-            Some(MAX_DEVICE_BYTES),
-            "no GPU has",
-        ),
+        Devices::Cpu(_) => (batch, host_memory_bytes(), "this machine has".into()),
+        Devices::Cuda(ids) => match smallest_cuda_memory(ids) {
+            Some((ordinal, bytes)) => (
+                per_gpu(ids),
+                Some(bytes),
+                format!("CUDA device {ordinal} has"),
+            ),
+            None => (per_gpu(ids), Some(MAX_DEVICE_BYTES), "no GPU has".into()),
+        },
+        Devices::Wgpu(ids) => (per_gpu(ids), Some(MAX_DEVICE_BYTES), "no GPU has".into()),
     };
     let needed = model::memory::training_bytes(&config.model, images);
     let Some(available) = available.filter(|&a| needed > a) else {
@@ -193,6 +200,22 @@ pub fn check_memory(config: &TrainConfig, devices: &Devices) -> Result<()> {
         m.depth_multiplier,
         available / GIB
     )
+}
+
+/// The CUDA device of `ids` with the least memory, and its memory; `None` where the driver
+/// cannot tell.
+#[cfg(feature = "cuda")]
+fn smallest_cuda_memory(ids: &[usize]) -> Option<(usize, f64)> {
+    ids.iter()
+        .map(|&i| cuda::memory_bytes(i).map(|bytes| (i, bytes)))
+        .collect::<Option<Vec<_>>>()?
+        .into_iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn smallest_cuda_memory(_: &[usize]) -> Option<(usize, f64)> {
+    None
 }
 
 /// The machine's physical memory (Linux's `MemTotal`); `None` where it cannot be read.

@@ -1,0 +1,154 @@
+//! `cargo xtask launches`: kernel launches on a GPU (wgpu or CUDA) per training step and per
+//! depthwise filter gradient, counted in cubecl's execution log (one `Executing` line per
+//! launch, written by a background thread: counts are read once the log stops growing).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use burn::cubecl::config::profiling::ProfilingLogLevel;
+use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+use model::ops::SsdBackend;
+use serde_json::json;
+use train::devices::{BackendJob, parse_device};
+use train::learner::{RunOptions, TrainingJob};
+
+use crate::bench::{bench_config, depthwise_filter_grad, depthwise_inputs, depthwise_layers};
+
+/// What to count.
+pub struct Request {
+    /// `wgpu` or a CUDA ordinal.
+    pub device: String,
+    /// Config files whose training step is counted.
+    pub configs: Vec<PathBuf>,
+    /// Images per step.
+    pub batch: usize,
+    /// Where the JSON report goes.
+    pub out: PathBuf,
+}
+
+/// Logs every launch to a file of `scratch`: must run before any GPU work in this process.
+fn log_launches(scratch: &Path) -> PathBuf {
+    let log = scratch.join("cubecl-executions.log");
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config.profiling.logger.level = ProfilingLogLevel::Minimal;
+    config.profiling.logger.file = Some(log.clone());
+    config.profiling.logger.append = true;
+    CubeClRuntimeConfig::set(config);
+    log
+}
+
+/// The launches logged so far, once the log has stopped growing for half a second.
+fn settled(log: &Path) -> usize {
+    let count = || {
+        std::fs::read_to_string(log)
+            .map(|s| s.lines().filter(|l| l.contains("Executing ")).count())
+            .unwrap_or(0)
+    };
+    let mut last = count();
+    loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = count();
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+}
+
+/// Counts, prints and writes the report.
+pub fn run(request: &Request) -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let log = log_launches(scratch.path());
+    let mut steps = Vec::new();
+    for path in &request.configs {
+        let per_step = step_launches(request, path, scratch.path(), &log)?;
+        println!(
+            "{}, batch {}, --devices {}: {per_step:.0} launches per training step",
+            path.display(),
+            request.batch,
+            request.device
+        );
+        steps.push(json!({"config": path, "launches_per_step": per_step}));
+    }
+    let layers = parse_device(&request.device)?.run(DepthwiseLaunches {
+        batch: request.batch,
+        log: log.clone(),
+    })?;
+    println!(
+        "depthwise filter gradient launches per layer (channels, size, stride: as trained / Burn's grouped convolution):"
+    );
+    for (layer, counts) in depthwise_layers().iter().zip(&layers) {
+        println!("  {layer:?}: {} / {}", counts[0], counts[1]);
+    }
+    let report = json!({
+        "device": request.device,
+        "batch": request.batch,
+        "training_steps": steps,
+        "depthwise_layers": depthwise_layers().iter().zip(&layers).map(|(l, c)| json!({
+            "channels": l.0, "size": l.1, "stride": l.2, "as_trained": c[0], "burn_grouped": c[1],
+        })).collect::<Vec<_>>(),
+    });
+    std::fs::write(&request.out, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", request.out.display()))?;
+    Ok(())
+}
+
+/// Launches per step of the config file `path`: after two warm-up steps (kernels compiled and tuned),
+/// a run of one more step and a run of three, each resuming the last; the difference is two
+/// steps' launches, with what a run does besides its steps (loading, the last checkpoint)
+/// cancelled.
+fn step_launches(request: &Request, path: &Path, scratch: &Path, log: &Path) -> Result<f64> {
+    let mut config = bench_config(path, request.batch, scratch)?;
+    let model_dir = tempfile::tempdir_in(scratch)?;
+    let devices = parse_device(&request.device)?;
+    let mut run_to = |step: u64| -> Result<usize> {
+        config.train.num_steps = step;
+        let options = RunOptions {
+            model_dir: model_dir.path().to_path_buf(),
+            stop: Arc::new(AtomicBool::new(false)),
+            verbose: false,
+            cluster: None,
+            repeat_first_batch: true,
+        };
+        let before = settled(log);
+        devices.run(TrainingJob {
+            config: &config,
+            options: &options,
+        })?;
+        Ok(settled(log) - before)
+    };
+    run_to(2)?;
+    let one = run_to(3)?;
+    let three = run_to(6)?;
+    Ok((three as f64 - one as f64) / 2.0)
+}
+
+/// Launches of each depthwise layer's filter gradient: `[as trained, Burn's]`, each counted
+/// on a second call (the first compiles and tunes).
+struct DepthwiseLaunches {
+    batch: usize,
+    log: PathBuf,
+}
+
+impl BackendJob for DepthwiseLaunches {
+    type Output = Vec<[usize; 2]>;
+    fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<Self::Output> {
+        let device = devices.into_iter().next().context("one device")?;
+        let layers = depthwise_inputs::<B>(&device, self.batch);
+        let counts = layers
+            .iter()
+            .map(|layer| {
+                [false, true].map(|burn| {
+                    depthwise_filter_grad(layer, burn);
+                    let before = settled(&self.log);
+                    depthwise_filter_grad(layer, burn);
+                    settled(&self.log) - before
+                })
+            })
+            .collect();
+        Ok(counts)
+    }
+}
