@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{config, losses, max_diff, prepare, run_on, sampled_weights, weights};
+use common::{config, filters, losses, max_diff, prepare, run_on, weights};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::Optimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::tensor::Tensor;
+use burn::tensor::{ElementConversion, Tensor};
 use data::loader::{Loader, LoaderConfig, Position};
 use data::shards::expand_patterns;
 use data::tfrecord::RecordIndex;
@@ -24,6 +24,7 @@ use model::Ssd;
 use model::loss::compute_loss;
 use model::ops::SsdBackend;
 use model::targets::assign_targets;
+use model::weights::load_weights;
 use prost::Message;
 use train::config::{LearningRate, OptimizerConfig, TrainConfig};
 use train::learner::{RunOptions, RunSummary, train};
@@ -120,23 +121,18 @@ fn three_replicas_stay_identical_and_evaluate() {
     assert_eq!(images, ["eval/image_0", "eval/image_1", "eval/image_2"]);
 }
 
-/// Two replicas of batch 2 against one network taking the mean of the gradients of the same
-/// two micro-batches (and the mean of their BatchNorm statistics).
-/// Trains one step with `replicas` replicas (the batch split between them) and gradients
-/// clipped to a global norm far below theirs, and checks the result against the same step
-/// done by hand: each part's gradients, their mean, clipped, one optimizer step; BatchNorm
-/// statistics averaged; and that clipping mattered (the weights are not those of the same
-/// step without clipping).
-fn learner_equals_manual_step<B: SsdBackend>(replicas: usize) {
-    let clip = 1e-3;
+/// Trains one step with `replicas` replicas (the batch split between them) and checks it
+/// against the same step done by hand: each part's gradients, their mean, clipped by global
+/// norm, one optimizer step; BatchNorm statistics averaged. The clipping norm is `clip` times
+/// the mean gradient's own: below 1 it binds (and the step must differ from the unclipped
+/// one), above 1 it does not (and the step must differ from one on the summed gradients,
+/// which clipping would hide). The filters' change from the initial weights is compared,
+/// relative to its size: a missing, doubled or unaveraged replica's gradient, or no step at
+/// all, moves it by a large fraction.
+fn learner_equals_manual_step<B: SsdBackend>(replicas: usize, clip: f32) {
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
-    let runs = tempfile::tempdir().unwrap();
     let mut c = config(data.path(), 1);
-    c.train.gradient_clipping_by_norm = Some(clip);
-    run_on::<B>(&c, runs.path(), &vec![Default::default(); replicas]).unwrap();
-    let from_learner = weights(&c, runs.path());
-
     let device = Default::default();
     let index = Arc::new(RecordIndex::build(&expand_patterns(&c.data.train).unwrap()).unwrap());
     let loader_config = LoaderConfig {
@@ -188,14 +184,21 @@ fn learner_equals_manual_step<B: SsdBackend>(replicas: usize) {
         stats.push(train::sync::bn_stats_flat(&net.valid()));
     }
     let (layout, n) = (layout.unwrap(), replicas as f64);
-    let mean: Vec<_> = sum.unwrap().into_iter().map(|b| b.div_scalar(n)).collect();
+    let sum = sum.unwrap();
+    let mean: Vec<_> = sum.iter().map(|b| b.clone().div_scalar(n)).collect();
     let stats = stats
         .into_iter()
         .reduce(|a, b| a + b)
         .unwrap()
         .div_scalar(n);
-    let manual = |clip: Option<f32>| {
-        let mut grads = unflatten_gradients::<Autodiff<B>>(&layout, mean.clone());
+    let norm = |buckets: &[Tensor<B, 1>]| {
+        let grads = unflatten_gradients::<Autodiff<B>>(&layout, buckets.to_vec());
+        let squared = squared_global_norm(&base, &grads).expect("gradients");
+        squared.into_scalar().elem::<f32>().sqrt()
+    };
+    let limit = clip * norm(&mean);
+    let manual = |buckets: &[Tensor<B, 1>], clip: Option<f32>| {
+        let mut grads = unflatten_gradients::<Autodiff<B>>(&layout, buckets.to_vec());
         if let Some(clip) = clip {
             let norm = squared_global_norm(&base, &grads).expect("gradients");
             grads = clip_by_global_norm(&base, grads, clip, norm);
@@ -204,32 +207,44 @@ fn learner_equals_manual_step<B: SsdBackend>(replicas: usize) {
             OptimizerAdaptor::from(TfOptimizer::from(&c.train.optimizer));
         let stepped = optim.step(0.002, base.clone(), grads).valid();
         train::sync::set_bn_stats_flat(&stepped, stats.clone());
-        sampled_weights(&stepped)
+        filters(&stepped)
     };
-    let d = max_diff(&from_learner, &manual(Some(clip)));
-    assert!(d < 1e-5, "max difference {d}");
-    let unclipped = max_diff(&from_learner, &manual(None));
-    assert!(
-        unclipped > 1e-4,
-        "clipping changed the weights by only {unclipped}"
-    );
+    c.train.gradient_clipping_by_norm = Some(limit);
+    let runs = tempfile::tempdir().unwrap();
+    run_on::<B>(&c, runs.path(), &vec![Default::default(); replicas]).unwrap();
+    let dir = train::checkpoint::latest(runs.path()).unwrap().unwrap();
+    let learned: Ssd<B> = load_weights(&c.model, &dir.join("model.mpk"), &device).unwrap();
+    let from_learner = filters(&learned);
+    let want = manual(&mean, Some(limit));
+    let update = max_diff(&want, &filters(&base.valid()));
+    let d = max_diff(&from_learner, &want);
+    assert!(d <= 1e-3 * update, "difference {d}, update {update}");
+    // what a wrong step would give is far from it
+    let other = if clip < 1.0 {
+        manual(&mean, None)
+    } else {
+        manual(&sum, Some(limit))
+    };
+    let wrong = max_diff(&from_learner, &other);
+    assert!(wrong > 0.1 * update, "a wrong step differs by only {wrong}");
 }
 
 #[test]
 fn two_replicas_equal_gradient_averaging_on_one_device() {
-    learner_equals_manual_step::<Flex>(2);
+    learner_equals_manual_step::<Flex>(2, 0.5);
+    learner_equals_manual_step::<Flex>(2, 2.0);
 }
 
 #[test]
 fn one_replica_equals_its_own_gradients() {
-    learner_equals_manual_step::<Flex>(1);
+    learner_equals_manual_step::<Flex>(1, 0.5);
 }
 
 /// The same on the generic operations the GPU backends run (burn-ndarray takes every
 /// default), the loss gradient and the heads' backward pass included.
 #[test]
 fn two_replicas_equal_gradient_averaging_on_the_generic_operations() {
-    learner_equals_manual_step::<NdArray>(2);
+    learner_equals_manual_step::<NdArray>(2, 2.0);
 }
 
 /// A measurement, not a check (`cargo test --release --workspace --test learner --

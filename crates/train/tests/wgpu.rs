@@ -12,8 +12,7 @@ use std::path::Path;
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Flex, Wgpu};
-use common::{config, losses, max_diff, prepare, run_on, weights};
-use model::Ssd;
+use common::{config, filters, losses, max_diff, prepare, run_on, weights};
 use model::ops::{SsdBackend, WgpuUnfused};
 use model::weights::load_weights;
 use train::config::TrainConfig;
@@ -107,17 +106,6 @@ fn assert_first_step_agrees(c: &TrainConfig, a: &Path, b: &Path, loss_rtol: f64,
         update > 0.0 && d <= update_rtol * update,
         "update {update}, difference {d}"
     );
-}
-
-/// The first convolution's and the first class head's filters.
-fn filters(net: &Ssd<Flex>) -> Vec<f32> {
-    [
-        net.backbone.conv0.conv.weight.val(),
-        net.class_heads[0].weight.val(),
-    ]
-    .into_iter()
-    .flat_map(|w| w.into_data().to_vec::<f32>().unwrap())
-    .collect()
 }
 
 fn assert_losses_close(got: &[f64], want: &[f64], steps: usize) {

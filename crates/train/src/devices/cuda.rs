@@ -19,19 +19,56 @@ pub fn device_count() -> usize {
 /// Refuses a CUDA run on a machine without what cubecl compiles kernels with: NVRTC
 /// (`libnvrtc.so`) and the toolkit's `include/cuda_runtime.h` under `CUDA_PATH` (else
 /// `/usr/local/cuda`, `/opt/cuda` or `/usr` where `nvcc` is), as cubecl looks for them.
+/// NVRTC must also be no newer than the CUDA version the driver supports: cubecl loads the
+/// PTX it writes, which an older driver refuses.
 pub fn check_toolkit() -> Result<()> {
     // SAFETY: only probes whether the NVRTC library can be loaded.
     let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
-    toolkit_problem(nvrtc, cubecl_cuda::install::cuda_path().as_deref())
+    let versions = if nvrtc { versions() } else { None };
+    toolkit_problem(
+        nvrtc,
+        versions,
+        cubecl_cuda::install::cuda_path().as_deref(),
+    )
 }
 
-/// The error for a toolkit without NVRTC or headers, given what was found.
-fn toolkit_problem(nvrtc: bool, root: Option<&Path>) -> Result<()> {
+/// The CUDA version the driver supports and NVRTC's, each as `1000 * major + 10 * minor`
+/// (CUDA's own encoding); `None` where either cannot be read.
+fn versions() -> Option<(i32, i32)> {
+    let (mut driver, mut major, mut minor) = (0, 0, 0);
+    // SAFETY: both libraries load (probed by the caller); each call writes the ints it is given.
+    let read = unsafe {
+        cudarc::driver::sys::cuDriverGetVersion(&mut driver)
+            == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+            && cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor)
+                == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS
+    };
+    read.then_some((driver, 1000 * major + 10 * minor))
+}
+
+/// CUDA's `1000 * major + 10 * minor` as `major.minor`.
+fn dotted(version: i32) -> String {
+    format!("{}.{}", version / 1000, version % 1000 / 10)
+}
+
+/// The error for a toolkit without NVRTC or headers, or with an NVRTC newer than the driver,
+/// given what was found (`versions`: the driver's CUDA version and NVRTC's).
+fn toolkit_problem(nvrtc: bool, versions: Option<(i32, i32)>, root: Option<&Path>) -> Result<()> {
     const HOW: &str = "CUDA devices compile their kernels at run time with the CUDA toolkit's NVRTC and headers (a driver-only host, or an nvidia/cuda:*-runtime image, has neither): install the toolkit (or use an nvidia/cuda:*-devel image), or train with `--devices wgpu`, which needs only the driver";
     if !nvrtc {
         bail!(
             "NVRTC (libnvrtc.so) was not found on the library path (LD_LIBRARY_PATH: {:?}). {HOW}",
             std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
+        );
+    }
+    if let Some((driver, nvrtc)) = versions
+        && nvrtc > driver
+    {
+        bail!(
+            "NVRTC {} is newer than the CUDA {} this driver supports: the driver would refuse the kernels it compiles. Use a CUDA toolkit no newer than {} (its NVRTC first on LD_LIBRARY_PATH), or update the driver",
+            dotted(nvrtc),
+            dotted(driver),
+            dotted(driver)
         );
     }
     let header = root.map(|r| r.join("include").join("cuda_runtime.h"));
@@ -49,6 +86,10 @@ fn toolkit_problem(nvrtc: bool, root: Option<&Path>) -> Result<()> {
 
 /// The memory of CUDA device `ordinal`, in bytes; `None` where the driver cannot tell.
 pub fn memory_bytes(ordinal: usize) -> Option<f64> {
+    // SAFETY: only probes whether the CUDA driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return None;
+    }
     cudarc::driver::result::init().ok()?;
     let device = cudarc::driver::result::device::get(ordinal as i32).ok()?;
     // SAFETY: `device` is a handle the driver has just returned.
@@ -61,25 +102,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_toolkit_without_nvrtc_or_headers_is_named() {
-        let err = toolkit_problem(false, Some(Path::new("/usr/local/cuda"))).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("NVRTC (libnvrtc.so) was not found"),
-            "{err}"
-        );
-        let empty = tempfile::tempdir().unwrap();
-        let err = toolkit_problem(true, Some(empty.path()))
-            .unwrap_err()
-            .to_string();
+    fn a_toolkit_without_nvrtc_or_headers_or_newer_than_the_driver_is_named() {
+        let toolkit = tempfile::tempdir().unwrap();
+        let root = Some(toolkit.path());
+        let err = toolkit_problem(false, None, root).unwrap_err().to_string();
+        assert!(err.contains("NVRTC (libnvrtc.so) was not found"), "{err}");
+        let err = toolkit_problem(true, None, root).unwrap_err().to_string();
         assert!(
             err.contains("cuda_runtime.h does not exist") && err.contains("--devices wgpu"),
             "{err}"
         );
-        let err = toolkit_problem(true, None).unwrap_err().to_string();
+        let err = toolkit_problem(true, None, None).unwrap_err().to_string();
         assert!(err.contains("CUDA_PATH is not set"), "{err}");
-        std::fs::create_dir(empty.path().join("include")).unwrap();
-        std::fs::write(empty.path().join("include/cuda_runtime.h"), "").unwrap();
-        toolkit_problem(true, Some(empty.path())).unwrap();
+        std::fs::create_dir(toolkit.path().join("include")).unwrap();
+        std::fs::write(toolkit.path().join("include/cuda_runtime.h"), "").unwrap();
+        toolkit_problem(true, None, root).unwrap();
+        // a driver for CUDA 12.4 and NVRTC 13.0; the same NVRTC with a CUDA 13.0 driver
+        let err = toolkit_problem(true, Some((12040, 13000)), root)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("NVRTC 13.0 is newer than the CUDA 12.4 this driver supports"),
+            "{err}"
+        );
+        toolkit_problem(true, Some((13000, 13000)), root).unwrap();
     }
 }

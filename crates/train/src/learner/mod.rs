@@ -101,7 +101,12 @@ pub fn train<B: SsdBackend>(
     ));
     let start = start::starting_point::<B>(config, &options.model_dir, &devices[0], &log)?;
     let fingerprint = run_fingerprint(config, &index)?;
-    let transfer = Transfer::between::<B>(devices);
+    let (transfer, fallback) = Transfer::between::<B>(devices);
+    if let Some(why) = fallback {
+        log.say(format!(
+            "the device-to-device copy failed its start-up check ({why}): tensors move through the host instead"
+        ));
+    }
     if devices.len() > 1 {
         log.say(format!(
             "exchange between replicas: {}",

@@ -1,6 +1,9 @@
 //! How tensors move between the replicas' devices, chosen once at the start of a run
 //! ([`Transfer::between`]) and said in its log.
 
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use model::ops::SsdBackend;
@@ -22,15 +25,28 @@ pub enum Transfer {
 }
 
 impl Transfer {
-    /// The path between `devices` of backend `B` on this machine.
-    pub fn between<B: SsdBackend>(devices: &[B::Device]) -> Self {
+    /// The path between `devices` of backend `B` on this machine, and why the device-to-device
+    /// path was not taken where the backend has one but it failed its start-up check: a small
+    /// known tensor from the first device to each other one and back ([`probe_pair`]). NCCL
+    /// that loads but does not work (a small `/dev/shm` in a container, peer access blocked,
+    /// a library built for a newer CUDA than the driver's) fails there, not in the first
+    /// exchange.
+    pub fn between<B: SsdBackend>(devices: &[B::Device]) -> (Self, Option<String>) {
         let forced = std::env::var(HOST_STAGED_ENV).is_ok_and(|v| v == "1");
         if devices.windows(2).all(|w| w[0] == w[1]) {
-            Self::SameDevice
-        } else if B::copies_device_to_device() && !forced {
-            Self::DeviceToDevice
-        } else {
-            Self::HostStaged
+            return (Self::SameDevice, None);
+        }
+        if !B::copies_device_to_device() || forced {
+            return (Self::HostStaged, None);
+        }
+        let failed = devices[1..].iter().enumerate().find_map(|(i, other)| {
+            probe_pair::<B>(&devices[0], other, PROBE_LIMIT, |t, d| t.to_device(d))
+                .err()
+                .map(|why| format!("between replica 0's device and replica {}'s: {why}", i + 1))
+        });
+        match failed {
+            Some(why) => (Self::HostStaged, Some(why)),
+            None => (Self::DeviceToDevice, None),
         }
     }
 
@@ -58,6 +74,45 @@ impl Transfer {
     }
 }
 
+/// How long the start-up check waits for a copy there and back (NCCL sets up its
+/// communicator on the first copy, which takes a few seconds).
+const PROBE_LIMIT: Duration = Duration::from_secs(60);
+
+/// Sends a small known tensor from `a` to `b` and back by `copy`, on a thread of its own: a
+/// failing NCCL set-up panics inside the device's runner, where the copy can then wait for
+/// ever. `Err` says what went wrong unless the values come back unchanged within `limit`.
+fn probe_pair<B: Backend>(
+    a: &B::Device,
+    b: &B::Device,
+    limit: Duration,
+    copy: impl Fn(Tensor<B, 1>, &B::Device) -> Tensor<B, 1> + Send + 'static,
+) -> Result<(), String> {
+    const SENT: [f32; 4] = [1.5, -2.0, 3.25, 1e-3];
+    let (a, b) = (a.clone(), b.clone());
+    let (send, receive) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let round_trip = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let there = copy(Tensor::<B, 1>::from_floats(SENT, &a), &b);
+            copy(there, &a).into_data().to_vec::<f32>()
+        }));
+        let _ = send.send(round_trip);
+    });
+    match receive.recv_timeout(limit) {
+        Ok(Ok(Ok(back))) if back == SENT => Ok(()),
+        Ok(Ok(Ok(back))) => Err(format!("sent {SENT:?}, got back {back:?}")),
+        Ok(Ok(Err(e))) => Err(format!("reading the copy back failed: {e:?}")),
+        Ok(Err(panic)) => Err(format!(
+            "the copy panicked: {}",
+            panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or(panic.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)")
+        )),
+        Err(_) => Err(format!("no copy back within {} s", limit.as_secs_f64())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,7 +123,7 @@ mod tests {
         let device = Default::default();
         assert_eq!(
             Transfer::between::<Flex>(&[device, device]),
-            Transfer::SameDevice
+            (Transfer::SameDevice, None)
         );
         let t = Tensor::<Flex, 1>::from_floats([1.5, -2.0, 3.25], &device);
         for path in [Transfer::HostStaged, Transfer::DeviceToDevice] {
@@ -78,5 +133,27 @@ mod tests {
                 vec![1.5, -2.0, 3.25]
             );
         }
+    }
+
+    /// The start-up check passes a working copy and names each way a copy can fail: wrong
+    /// values, a panic (NCCL's set-up failing in the runner), no answer.
+    #[test]
+    fn the_start_up_check_names_what_went_wrong() {
+        let device = Default::default();
+        let limit = Duration::from_millis(500);
+        probe_pair::<Flex>(&device, &device, limit, |t, d| t.to_device(d)).unwrap();
+        let err = probe_pair::<Flex>(&device, &device, limit, |t, _| t * 2.0).unwrap_err();
+        assert!(err.contains("got back [6.0, -8.0"), "{err}");
+        let err = probe_pair::<Flex>(&device, &device, limit, |_, _| {
+            panic!("ncclCommInitAll failed")
+        })
+        .unwrap_err();
+        assert!(err.contains("panicked: ncclCommInitAll failed"), "{err}");
+        let err = probe_pair::<Flex>(&device, &device, limit, |t, _| {
+            std::thread::sleep(Duration::from_secs(2));
+            t
+        })
+        .unwrap_err();
+        assert!(err.contains("no copy back within 0.5 s"), "{err}");
     }
 }

@@ -90,6 +90,18 @@ pub fn sampled_weights<I: Backend>(net: &Ssd<I>) -> Vec<f32> {
     all
 }
 
+/// The first convolution's and the first class head's filters: what a step's gradients change
+/// (unlike the BatchNorm statistics of [`sampled_weights`]).
+pub fn filters<I: Backend>(net: &Ssd<I>) -> Vec<f32> {
+    [
+        net.backbone.conv0.conv.weight.val(),
+        net.class_heads[0].weight.val(),
+    ]
+    .into_iter()
+    .flat_map(|w| w.into_data().to_vec::<f32>().unwrap())
+    .collect()
+}
+
 /// The largest element-wise difference.
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
