@@ -1,8 +1,8 @@
 //! The learner end to end on the CPU, with tiny networks: replicas stay identical, one or two
 //! replicas equal one device averaging the micro-batch gradients (clipped by global norm),
-//! kill-and-resume gives the uninterrupted result, checkpoints resume on another replica
-//! count, a diverging run stops naming the step; replicas against a manual step also on the
-//! generic operations the GPU backends run.
+//! kill-and-resume gives the uninterrupted result (weights and EMA), checkpoints resume on
+//! another replica count, a diverging run stops naming the step; replicas against a manual
+//! step also on the generic operations the GPU backends run.
 
 mod common;
 
@@ -278,21 +278,38 @@ fn two_cpu_backends_drift_apart_on_the_synthetic_config() {
 fn interrupted_and_resumed_equals_uninterrupted(replicas: usize) {
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
+    // with the weight EMA, which a resume must restore, not rebuild from the weights
+    let steps = |n| {
+        let mut c = config(data.path(), n);
+        c.train.moving_average_decay = Some(0.9);
+        c
+    };
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    run(&config(data.path(), 4), a.path(), replicas).unwrap();
-    run(&config(data.path(), 2), b.path(), replicas).unwrap();
-    let resumed = run(&config(data.path(), 4), b.path(), replicas).unwrap();
+    run(&steps(4), a.path(), replicas).unwrap();
+    run(&steps(2), b.path(), replicas).unwrap();
+    let resumed = run(&steps(4), b.path(), replicas).unwrap();
     assert_eq!((resumed.step, resumed.steps_this_run), (4, 2));
-    let d = max_diff(
-        &weights(&config(data.path(), 4), a.path()),
-        &weights(&config(data.path(), 4), b.path()),
-    );
+    let d = max_diff(&weights(&steps(4), a.path()), &weights(&steps(4), b.path()));
     assert!(d < 1e-6, "max difference {d}");
+    let [(raw, ema), (_, resumed_ema)] = [a.path(), b.path()].map(|dir| {
+        let latest = train::checkpoint::latest(dir).unwrap().unwrap();
+        let load = |file: &str| {
+            let net: Ssd<B> =
+                load_weights(&steps(4).model, &latest.join(file), &Default::default()).unwrap();
+            filters(&net)
+        };
+        (load("model.mpk"), load("ema.mpk"))
+    });
+    let d = max_diff(&ema, &resumed_ema);
+    assert!(d < 1e-6, "moving averages differ by {d}");
+    let apart = max_diff(&ema, &raw);
+    assert!(
+        apart > 1e-5,
+        "the moving average is only {apart} from the weights"
+    );
     // nothing left to do: a third run resumes at 4 and stops
     assert_eq!(
-        run(&config(data.path(), 4), b.path(), replicas)
-            .unwrap()
-            .steps_this_run,
+        run(&steps(4), b.path(), replicas).unwrap().steps_this_run,
         0
     );
 }
