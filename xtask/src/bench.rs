@@ -267,6 +267,18 @@ pub(crate) fn bench_config(path: &Path, batch: usize, scratch: &Path) -> Result<
     Ok(config)
 }
 
+/// Options of a quiet single-machine run into `model_dir`, training every step on the first
+/// batch when `in_memory`.
+pub(crate) fn quiet_run(model_dir: &Path, in_memory: bool) -> RunOptions {
+    RunOptions {
+        model_dir: model_dir.to_path_buf(),
+        stop: Arc::new(AtomicBool::new(false)),
+        verbose: false,
+        cluster: None,
+        repeat_first_batch: in_memory,
+    }
+}
+
 fn train_case(
     devices: &str,
     batch: usize,
@@ -278,13 +290,7 @@ fn train_case(
     let mut config = bench_config(&pets, batch, scratch)?;
     config.train.num_steps = (WARM_UP_STEPS + repeats) as u64;
     let model_dir = tempfile::tempdir_in(scratch)?;
-    let options = RunOptions {
-        model_dir: model_dir.path().to_path_buf(),
-        stop: Arc::new(AtomicBool::new(false)),
-        verbose: false,
-        cluster: None,
-        repeat_first_batch: in_memory,
-    };
+    let options = quiet_run(model_dir.path(), in_memory);
     let summary = parse_devices(Some(devices))?.0.run(TrainingJob {
         config: &config,
         options: &options,

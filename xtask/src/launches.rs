@@ -3,8 +3,6 @@
 //! launch, written by a background thread: counts are read once the log stops growing).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -13,9 +11,11 @@ use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 use model::ops::SsdBackend;
 use serde_json::json;
 use train::devices::{BackendJob, parse_device};
-use train::learner::{RunOptions, TrainingJob};
+use train::learner::TrainingJob;
 
-use crate::bench::{bench_config, depthwise_filter_grad, depthwise_inputs, depthwise_layers};
+use crate::bench::{
+    bench_config, depthwise_filter_grad, depthwise_inputs, depthwise_layers, quiet_run,
+};
 
 /// What to count.
 pub struct Request {
@@ -106,13 +106,7 @@ fn step_launches(request: &Request, path: &Path, scratch: &Path, log: &Path) -> 
     let devices = parse_device(&request.device)?;
     let mut run_to = |step: u64| -> Result<usize> {
         config.train.num_steps = step;
-        let options = RunOptions {
-            model_dir: model_dir.path().to_path_buf(),
-            stop: Arc::new(AtomicBool::new(false)),
-            verbose: false,
-            cluster: None,
-            repeat_first_batch: true,
-        };
+        let options = quiet_run(model_dir.path(), true);
         let before = settled(log);
         devices.run(TrainingJob {
             config: &config,
