@@ -334,18 +334,18 @@ fn inspect(patterns: &[String]) -> Result<()> {
                 loc.offset
             )
         })?;
-        // decoded completely, as training does: a truncated image counts as undecodable
-        let size = decode_image(&e.encoded)
-            .ok()
-            .map(|(img, _)| (img.width(), img.height()));
-        bad_images += usize::from(size.is_none());
+        // decoded completely, as training does: a truncated image or one whose header claims
+        // a size over the limits counts as undecodable, and the line says why
+        let decoded = decode_image(&e.encoded).map(|(img, _)| (img.width(), img.height()));
+        bad_images += usize::from(decoded.is_err());
         count_objects(&e, &mut counts);
         let line = json!({
             "file": files[loc.file].display().to_string(), "offset": loc.offset,
             "image/format": e.format, "image/height": e.height, "image/width": e.width,
             "image/filename": e.filename, "image/source_id": e.source_id, "image/key/sha256": e.sha256,
             "image/encoded/bytes": e.encoded.len(),
-            "decoded_size": size.map(|(w, h)| json!({"width": w, "height": h})),
+            "decoded_size": decoded.as_ref().ok().map(|(w, h)| json!({"width": w, "height": h})),
+            "decode_error": decoded.err(),
             "image/object/bbox/ymin": e.objects.iter().map(|o| o.bbox.ymin).collect::<Vec<_>>(),
             "image/object/bbox/xmin": e.objects.iter().map(|o| o.bbox.xmin).collect::<Vec<_>>(),
             "image/object/bbox/ymax": e.objects.iter().map(|o| o.bbox.ymax).collect::<Vec<_>>(),

@@ -131,10 +131,7 @@ impl Augmentation {
                 max_delta,
             } => {
                 let factor = rng.random_range(*min_delta..=*max_delta);
-                map_pixels(sample, |p| {
-                    let gray = 0.299 * p[0] + 0.587 * p[1] + 0.114 * p[2];
-                    p.map(|v| gray + (v - gray) * factor)
-                })
+                map_pixels(sample, |p| saturate(p, factor))
             }
             Self::RandomPadImage { max_scale } => random_pad(sample, *max_scale, rng),
         }
@@ -158,6 +155,21 @@ fn channel_means(img: &RgbImage) -> [f32; 3] {
     }
     let n = (img.width() as f64 * img.height() as f64).max(1.0);
     sum.map(|s| (s / n) as f32)
+}
+
+/// TF's `adjust_saturation`: the pixel's HSV saturation times `factor`, clipped to 1, hue and
+/// value kept. With hue and value fixed every channel keeps its place between the value (the
+/// largest channel) and the smallest channel `v (1 - s)`, so each moves from the value in
+/// proportion to the new saturation: `c' = v - (v - c) s' / s`.
+fn saturate(p: [f32; 3], factor: f32) -> [f32; 3] {
+    let v = p[0].max(p[1]).max(p[2]);
+    let min = p[0].min(p[1]).min(p[2]);
+    if v <= 0.0 || v == min {
+        return p; // black or grey: no saturation to scale
+    }
+    let s = (v - min) / v;
+    let scale = (s * factor).clamp(0.0, 1.0) / s;
+    p.map(|c| v - (v - c) * scale)
 }
 
 fn map_pixels(mut sample: Annotated, f: impl Fn([f32; 3]) -> [f32; 3]) -> Annotated {
@@ -455,6 +467,115 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn most_crops_are_real_and_meet_the_operations_constraints() {
+        // two objects, neither the whole image
+        let s = Annotated {
+            boxes: sample().boxes[..2].to_vec(),
+            labels: vec![1, 2],
+            ..sample()
+        };
+        let (w, h) = s.image.dimensions();
+        let mut ops = default_ssd_crop_operations();
+        ops.push(CropOperation {
+            aspect_ratio_range: [0.5, 0.7],
+            area_range: [0.2, 0.4],
+            ..ops[2].clone()
+        });
+        let mut rng = StdRng::seed_from_u64(11);
+        for op in &ops {
+            let crops: Vec<Rect> = (0..200)
+                .map(|_| sample_crop(&mut rng, w, h, &s.boxes, op))
+                .collect();
+            let real: Vec<&Rect> = crops.iter().filter(|r| (r.2, r.3) != (w, h)).collect();
+            assert!(
+                real.len() >= 180,
+                "{op:?}: {} of 200 crops are real",
+                real.len()
+            );
+            let mut distinct = real.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert!(
+                distinct.len() >= 100,
+                "{op:?}: {} distinct crops",
+                distinct.len()
+            );
+            let image_area = (w * h) as f32;
+            for &&(x, y, cw, ch) in &real {
+                assert!(x + cw <= w && y + ch <= h, "{op:?}: {:?}", (x, y, cw, ch));
+                // the area in pixels within the range exactly; the width rounded from the
+                // height times a ratio in the range
+                let area = (cw * ch) as f32;
+                assert!(
+                    area >= op.area_range[0] * image_area && area <= op.area_range[1] * image_area,
+                    "{op:?}: area {area}"
+                );
+                let slack = 0.5 / ch as f32;
+                let ratio = cw as f32 / ch as f32;
+                let [lo, hi] = op.aspect_ratio_range;
+                assert!(
+                    ratio >= lo - slack && ratio <= hi + slack,
+                    "{op:?}: ratio {ratio}"
+                );
+                // some object (in whole pixels, as TF takes it) at least min_object_covered inside
+                let crop = BBox::new(y as f32, x as f32, (y + ch) as f32, (x + cw) as f32);
+                let covered = s.boxes.iter().any(|b| {
+                    let p = b.to_pixels(h, w);
+                    let p = BBox::new(
+                        p.ymin.trunc(),
+                        p.xmin.trunc(),
+                        p.ymax.trunc(),
+                        p.xmax.trunc(),
+                    );
+                    crop.intersection(&p) / p.area() >= op.min_object_covered
+                });
+                assert!(
+                    covered,
+                    "{op:?}: {:?} covers no object enough",
+                    (x, y, cw, ch)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn contrast_and_saturation_follow_tfs_definitions() {
+        let image = RgbImage::from_vec(2, 1, vec![200, 100, 50, 40, 60, 80]).unwrap();
+        let one = |step: Augmentation| {
+            let s = Annotated {
+                image: image.clone(),
+                boxes: vec![],
+                labels: vec![],
+            };
+            step.apply(s, &mut StdRng::seed_from_u64(0))
+                .image
+                .into_raw()
+        };
+        // contrast: each channel's distance from its mean over the image times the factor
+        // (means 120, 80, 65), clipped to [0, 255], rounded
+        let contrast = one(Augmentation::RandomAdjustContrast {
+            min_delta: 1.5,
+            max_delta: 1.5,
+        });
+        assert_eq!(contrast, [240, 110, 43, 0, 50, 88]);
+        // saturation, in HSV: (200, 100, 50) has value 200 and saturation 0.75; times 1.2 it
+        // is 0.9, so the smallest channel goes to 200 (1 - 0.9) = 20 and the middle one keeps
+        // its place between them, 20 + 180 (100 - 50) / 150 = 80; (40, 60, 80): value 80,
+        // saturation 0.5 -> 0.6, smallest 32, middle 56
+        let saturated = one(Augmentation::RandomAdjustSaturation {
+            min_delta: 1.2,
+            max_delta: 1.2,
+        });
+        assert_eq!(saturated, [200, 80, 20, 32, 56, 80]);
+        // saturation 0.75 times 2 clips at 1: the smallest channel reaches 0
+        let clipped = one(Augmentation::RandomAdjustSaturation {
+            min_delta: 2.0,
+            max_delta: 2.0,
+        });
+        assert_eq!(clipped[..3], [200, 67, 0]);
     }
 
     #[test]

@@ -45,6 +45,10 @@ pub enum DataError {
         /// What is wrong.
         problem: String,
     },
+    /// One example of a dataset being prepared is bad; `skip_invalid` would skip and count
+    /// it.
+    #[error("{0}\n(to skip such examples and count them, run prepare-data with --skip-invalid)")]
+    InvalidExample(Box<DataError>),
     /// An image could not be decoded.
     #[error("{path}: cannot decode image: {problem}")]
     Image {

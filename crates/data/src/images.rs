@@ -6,9 +6,17 @@
 
 use std::io::Cursor;
 
-use image::{DynamicImage, ImageFormat, ImageReader};
+use image::{DynamicImage, ImageFormat, ImageReader, Limits};
 
-/// Decodes `bytes` (JPEG, PNG, GIF, BMP) completely. The error says what is wrong.
+/// The widest or tallest image decoded, in pixels. Datasets' photos are far smaller (Oxford-IIIT
+/// Pet's widest is about 2,600 pixels); a header of a few bytes can claim billions of pixels,
+/// which the decoder would try to allocate.
+pub const MAX_IMAGE_SIDE: u32 = 16_384;
+/// The most pixels an image decoded may have (100 megapixels, 300 MB as RGB).
+pub const MAX_IMAGE_PIXELS: u64 = 100_000_000;
+
+/// Decodes `bytes` (JPEG, PNG, GIF, BMP) completely, after checking the size its header
+/// claims against [`MAX_IMAGE_SIDE`] and [`MAX_IMAGE_PIXELS`]. The error says what is wrong.
 pub fn decode_image(bytes: &[u8]) -> Result<(DynamicImage, ImageFormat), String> {
     let format = image::guess_format(bytes).map_err(|e| e.to_string())?;
     match format {
@@ -16,13 +24,34 @@ pub fn decode_image(bytes: &[u8]) -> Result<(DynamicImage, ImageFormat), String>
         ImageFormat::Png => check_png_complete(bytes)?,
         _ => {}
     }
-    let image = ImageReader::with_format(Cursor::new(bytes), format)
-        .decode()
+    let (width, height) = ImageReader::with_format(Cursor::new(bytes), format)
+        .into_dimensions()
         .map_err(|e| e.to_string())?;
-    if image.width() == 0 || image.height() == 0 {
-        return Err("zero-size image".into());
-    }
+    check_size(width, height)?;
+    let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
+    // the decoder's own guard, for what the first header does not tell (a GIF's frames)
+    let mut limits = Limits::default();
+    limits.max_image_width = Some(MAX_IMAGE_SIDE);
+    limits.max_image_height = Some(MAX_IMAGE_SIDE);
+    limits.max_alloc = Some(4 * MAX_IMAGE_PIXELS);
+    reader.limits(limits);
+    let image = reader.decode().map_err(|e| e.to_string())?;
     Ok((image, format))
+}
+
+/// Refuses an empty image or one over the size limits, before its pixels are allocated.
+fn check_size(width: u32, height: u32) -> Result<(), String> {
+    if width == 0 || height == 0 {
+        return Err(format!("zero-size image ({width}x{height})"));
+    }
+    if width.max(height) > MAX_IMAGE_SIDE || u64::from(width) * u64::from(height) > MAX_IMAGE_PIXELS
+    {
+        return Err(format!(
+            "the header claims {width}x{height} pixels, over the limit of {MAX_IMAGE_SIDE} a side and {} megapixels (a damaged or hostile file?)",
+            MAX_IMAGE_PIXELS / 1_000_000
+        ));
+    }
+    Ok(())
 }
 
 /// Walks the JPEG's marker segments and entropy-coded data up to the end-of-image marker
@@ -108,6 +137,71 @@ mod tests {
         let mut jpeg = encoded(ImageFormat::Jpeg);
         jpeg.extend(b"trailing");
         assert!(decode_image(&jpeg).is_ok());
+    }
+
+    /// CRC-32 (ISO-HDLC) as PNG chunks carry it.
+    fn png_crc(data: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &byte in data {
+            crc ^= u32::from(byte);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 {
+                    0xedb8_8320 ^ (crc >> 1)
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+
+    /// `format`'s encoding of the test image, its header claiming `width` x `height`.
+    fn claiming(format: ImageFormat, width: u16, height: u16) -> Vec<u8> {
+        let mut bytes = encoded(format);
+        let (w, h) = (width.to_be_bytes(), height.to_be_bytes());
+        match format {
+            // IHDR: width and height as u32 after the chunk's length and type, then its CRC
+            ImageFormat::Png => {
+                bytes[16..24].copy_from_slice(&[0, 0, w[0], w[1], 0, 0, h[0], h[1]]);
+                let crc = png_crc(&bytes[12..29]);
+                bytes[29..33].copy_from_slice(&crc.to_be_bytes());
+            }
+            // the start-of-frame segment: FF C0, length, precision, then height and width
+            ImageFormat::Jpeg => {
+                let sof = bytes.windows(2).position(|m| m == [0xff, 0xc0]).unwrap();
+                bytes[sof + 5..sof + 9].copy_from_slice(&[h[0], h[1], w[0], w[1]]);
+            }
+            // the logical screen: width and height, little-endian, after "GIF89a"
+            _ => {
+                let (w, h) = (width.to_le_bytes(), height.to_le_bytes());
+                bytes[6..10].copy_from_slice(&[w[0], w[1], h[0], h[1]]);
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn headers_claiming_huge_images_are_refused_before_decoding() {
+        for format in [ImageFormat::Png, ImageFormat::Jpeg, ImageFormat::Gif] {
+            let err = decode_image(&claiming(format, 30_000, 30_000)).unwrap_err();
+            assert!(
+                err.contains("claims 30000x30000 pixels, over the limit"),
+                "{format:?}: {err}"
+            );
+            // a side within the limit but too many pixels
+            let err = decode_image(&claiming(format, 16_000, 16_000)).unwrap_err();
+            assert!(err.contains("claims 16000x16000"), "{format:?}: {err}");
+            // the patch itself leaves a file that decodes, as a check of the test
+            assert!(
+                decode_image(&claiming(format, 160, 120)).is_ok(),
+                "{format:?}"
+            );
+        }
+        // no pixels at all: the PNG decoder refuses the header itself, the GIF one leaves it
+        // to the size check
+        assert!(decode_image(&claiming(ImageFormat::Png, 0, 120)).is_err());
+        let err = decode_image(&claiming(ImageFormat::Gif, 0, 120)).unwrap_err();
+        assert!(err.contains("zero-size image (0x120)"), "{err}");
     }
 
     #[test]

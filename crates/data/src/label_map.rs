@@ -74,6 +74,9 @@ impl LabelMap {
         if let Some(w) = items.windows(2).find(|w| w[0].id == w[1].id) {
             return Err(format!("id {} appears twice", w[0].id));
         }
+        if items.is_empty() {
+            return Err("no `item`: a label map names at least one class".into());
+        }
         Ok(Self { items })
     }
 
@@ -120,9 +123,32 @@ impl LabelMap {
         self.items.iter().find(|it| it.name == name).map(|it| it.id)
     }
 
-    /// Class names in id order (for `SsdConfig::class_names`).
+    /// Class names in id order.
     pub fn names(&self) -> Vec<String> {
         self.items.iter().map(|it| it.name.clone()).collect()
+    }
+
+    /// The name of each of `num_classes` classes by position (for `SsdConfig::class_names`):
+    /// id `i` is class `i`, as the Object Detection API reads labels, so an id without an
+    /// item (COCO's map has 80 ids in 1..=90) keeps its place, named `class_<id>`; returned
+    /// with those ids. An id over `num_classes` is an error.
+    pub fn names_by_id(
+        &self,
+        num_classes: usize,
+    ) -> std::result::Result<(Vec<String>, Vec<i64>), String> {
+        if let Some(it) = self.items.iter().find(|it| it.id > num_classes as i64) {
+            return Err(format!(
+                "id {} ({:?}) is over num_classes {num_classes}",
+                it.id, it.name
+            ));
+        }
+        let mut names: Vec<String> = (1..=num_classes).map(|id| format!("class_{id}")).collect();
+        let mut missing: Vec<i64> = (1..=num_classes as i64).collect();
+        for it in &self.items {
+            names[it.id as usize - 1] = it.name.clone();
+            missing.retain(|&id| id != it.id);
+        }
+        Ok((names, missing))
     }
 }
 
@@ -149,6 +175,21 @@ item { id: 1 name: 'cat' frequency: FREQUENT keypoints { id: 0 label: "nose" } }
     }
 
     #[test]
+    fn names_keep_each_id_in_its_place() {
+        let map = LabelMap::parse("item { id: 7 name: 'dog' } item { id: 2 name: 'cat' }").unwrap();
+        let (names, missing) = map.names_by_id(8).unwrap();
+        assert_eq!(names[1], "cat");
+        assert_eq!(names[6], "dog");
+        assert_eq!(names[0], "class_1");
+        assert_eq!(missing, vec![1, 3, 4, 5, 6, 8]);
+        let err = map.names_by_id(6).unwrap_err();
+        assert!(
+            err.contains("id 7 (\"dog\") is over num_classes 6"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn errors_name_the_line() {
         for (text, want) in [
             ("item { id: 1 name: 'a }", "line 1"),
@@ -156,6 +197,7 @@ item { id: 1 name: 'cat' frequency: FREQUENT keypoints { id: 0 label: "nose" } }
             ("item {\n id: 0 name: 'a' }", "at least 1"),
             ("thing { }", "expected `item`"),
             ("item { id: 1 name: 'a' } item { id: 1 name: 'b' }", "twice"),
+            ("# no items\n", "no `item`"),
         ] {
             let err = LabelMap::parse(text).unwrap_err();
             assert!(err.contains(want), "{text}: {err}");

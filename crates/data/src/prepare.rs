@@ -264,7 +264,7 @@ pub fn prepare_voc(
                     summary.invalid += 1;
                     summary.skipped.push((name.clone(), e.to_string()));
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(DataError::InvalidExample(Box::new(e))),
             }
         }
         split_summary.images = writer.len();

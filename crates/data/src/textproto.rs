@@ -57,7 +57,7 @@ impl Message {
     pub fn parse(text: &str) -> Result<Self, String> {
         let tokens = tokenize(text)?;
         let mut at = 0;
-        let message = parse_fields(&tokens, &mut at, None)?;
+        let message = parse_fields(&tokens, &mut at, None, 0)?;
         Ok(message)
     }
 
@@ -172,26 +172,35 @@ fn scalar(token: &Token) -> Option<Scalar> {
     }
 }
 
-/// The message opened by `open` (`{` or `<`) on `line`, up to its closing bracket.
+/// How deep messages may nest. A pipeline.config nests 7 deep; the limit keeps a hostile
+/// file from overflowing the stack of the recursive parser (and of the drop of its result).
+pub const MAX_DEPTH: usize = 100;
+
+/// The message opened by `open` (`{` or `<`) on `line`, up to its closing bracket, at
+/// nesting `depth` (1 for a field of the document).
 fn nested(
     tokens: &[(usize, Token)],
     at: &mut usize,
-    open: char,
-    line: usize,
+    (open, line): (char, usize),
+    depth: usize,
 ) -> Result<Value, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!(
+            "line {line}: messages nested more than {MAX_DEPTH} deep"
+        ));
+    }
     let closing = if open == '{' { '}' } else { '>' };
-    Ok(Value::Message(parse_fields(
-        tokens,
-        at,
-        Some((closing, line)),
-    )?))
+    let fields = parse_fields(tokens, at, Some((closing, line)), depth)?;
+    Ok(Value::Message(fields))
 }
 
-/// Fields until `close` (or the end of the document when `close` is `None`).
+/// Fields until `close` (or the end of the document when `close` is `None`), the message
+/// being at nesting `depth`.
 fn parse_fields(
     tokens: &[(usize, Token)],
     at: &mut usize,
     close: Option<(char, usize)>,
+    depth: usize,
 ) -> Result<Message, String> {
     let mut message = Message::default();
     loop {
@@ -224,7 +233,7 @@ fn parse_fields(
         match tokens.get(*at).map(|t| &t.1) {
             Some(Token::Open(c)) => {
                 *at += 1;
-                values.push(nested(tokens, at, *c, line)?);
+                values.push(nested(tokens, at, (*c, line), depth + 1)?);
             }
             Some(Token::ListOpen) if colon => {
                 *at += 1;
@@ -237,7 +246,7 @@ fn parse_fields(
                         Some(Token::Comma) => *at += 1,
                         Some(Token::Open(c)) => {
                             *at += 1;
-                            values.push(nested(tokens, at, *c, line)?);
+                            values.push(nested(tokens, at, (*c, line), depth + 1)?);
                         }
                         Some(t) => {
                             let v = scalar(t)
@@ -275,6 +284,29 @@ mod tests {
                 Value::Message(_) => "<message>",
             })
             .collect()
+    }
+
+    /// `depth` messages nested, one per line, in `a { ... }` (and, in lists, `a: [{ ... }]`).
+    fn nesting(depth: usize, in_lists: bool) -> String {
+        let (open, close) = if in_lists {
+            ("a: [{\n", "}]")
+        } else {
+            ("a {\n", "}")
+        };
+        open.repeat(depth) + &close.repeat(depth)
+    }
+
+    #[test]
+    fn deep_nesting_is_an_error_naming_its_line_not_a_stack_overflow() {
+        for in_lists in [false, true] {
+            assert!(Message::parse(&nesting(MAX_DEPTH, in_lists)).is_ok());
+            let too_deep = MAX_DEPTH + 1;
+            let err = Message::parse(&nesting(too_deep, in_lists)).unwrap_err();
+            let want = format!("line {too_deep}: messages nested more than {MAX_DEPTH} deep");
+            assert_eq!(err, want);
+            // far deeper than a stack can take unchecked
+            assert!(Message::parse(&nesting(1_000_000, in_lists)).is_err());
+        }
     }
 
     #[test]

@@ -18,6 +18,10 @@ use image::{DynamicImage, ImageFormat, Rgb, RgbImage};
 use model::BBox;
 use prost::Message;
 
+/// What an error about one example of a dataset being prepared ends with.
+const SKIP_HINT: &str =
+    "\n(to skip such examples and count them, run prepare-data with --skip-invalid)";
+
 fn encoded(format: ImageFormat) -> Vec<u8> {
     let img = DynamicImage::ImageRgb8(RgbImage::from_fn(96, 64, |x, y| {
         Rgb([(x * 2) as u8, (y * 3) as u8, ((x + y) % 256) as u8])
@@ -298,7 +302,7 @@ fn bad_voc_files_are_errors_or_counted_skips() {
             .to_string();
         assert_eq!(
             err,
-            format!("{}: {problem}", root.join(file).display()),
+            format!("{}: {problem}{SKIP_HINT}", root.join(file).display()),
             "{case}"
         );
         assert!(
@@ -308,7 +312,13 @@ fn bad_voc_files_are_errors_or_counted_skips() {
         );
         let summary = prepare(&root, &out, &options(2, true)).unwrap();
         assert_eq!(summary.invalid, 1, "{case}");
-        assert_eq!(summary.skipped, vec![("Bad_1".to_string(), err)], "{case}");
+        // the skipped example's reason, without the hint to skip it
+        let reason = err.trim_end_matches(SKIP_HINT).to_string();
+        assert_eq!(
+            summary.skipped,
+            vec![("Bad_1".to_string(), reason)],
+            "{case}"
+        );
         let examples = all_examples(&out);
         assert_eq!(examples.len(), 9, "{case}");
         assert!(examples.iter().all(|e| e.filename != "Bad_1.jpg"), "{case}");
@@ -377,7 +387,7 @@ fn class_names_differing_in_case_are_an_error_unless_a_label_map_lists_them() {
     assert_eq!(
         err,
         format!(
-            "{}: class \"Cat\" is not in the label map",
+            "{}: class \"Cat\" is not in the label map{SKIP_HINT}",
             root.join("images/Cat_3.jpg").display()
         )
     );
@@ -420,7 +430,8 @@ fn reruns_replace_the_whole_set_and_failures_keep_the_old_one() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("Cat_4.jpg: cannot decode image: truncated JPEG"),
+        err.contains("Cat_4.jpg: cannot decode image: truncated JPEG")
+            && err.contains("run prepare-data with --skip-invalid"),
         "{err}"
     );
     let after: Vec<Vec<u8>> = listing(&out)

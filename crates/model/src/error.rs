@@ -42,6 +42,20 @@ pub enum ModelError {
         /// What is wrong, naming the tensor where there is one.
         problem: String,
     },
+    /// A weights file holds a value that is not finite.
+    #[error(
+        "weights file {path}: tensor `{tensor}` holds {value} at element {index}; a network restored from it cannot train or detect"
+    )]
+    NonFinite {
+        /// The file.
+        path: PathBuf,
+        /// The tensor, as the file names it.
+        tensor: String,
+        /// The first element that is not finite, in the file's order.
+        index: usize,
+        /// Its value (NaN or an infinity).
+        value: f32,
+    },
     /// A config or weights file could not be decoded.
     #[error("cannot decode {path}: {problem}")]
     Decode {

@@ -25,6 +25,7 @@ pub mod boxes;
 pub mod config;
 pub mod error;
 pub mod export;
+mod floats;
 pub mod inference;
 pub mod io;
 mod layers;

@@ -419,3 +419,117 @@ fn onnx_model_decodes_with_the_documented_values() {
     let convs = graph.node.iter().filter(|n| n.op_type == "Conv").count();
     assert_eq!(convs, 1 + 26 + 8 + 12);
 }
+
+/// The network of `config` with BatchNorm statistics and parameters far from their initial
+/// 1s and 0s, so that folding them into the convolutions shows.
+fn network_with_batch_norm(config: &SsdConfig) -> Ssd<Flex> {
+    use model::restore::{MemorySource, restore_exact};
+    use model::tf::names::named_tensors;
+    let net = network(config);
+    let mut state = 1u32;
+    let mut next = move || {
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        (state >> 8) as f32 / (1u32 << 24) as f32
+    };
+    let tensors = named_tensors(&net, config)
+        .into_iter()
+        .map(|(name, shape, values)| {
+            let values = match name.rsplit('/').next() {
+                Some("gamma") | Some("moving_variance") => {
+                    values.iter().map(|_| 0.5 + next()).collect()
+                }
+                Some("beta") | Some("moving_mean") => values.iter().map(|_| next() - 0.5).collect(),
+                _ => values,
+            };
+            (name, shape, values)
+        })
+        .collect();
+    restore_exact(
+        net,
+        config,
+        &MemorySource::new(std::path::Path::new("test"), tensors),
+    )
+    .unwrap()
+}
+
+/// An initializer of `graph` as floats.
+fn initializer(graph: &model::export::onnx_proto::GraphProto, name: &str) -> Vec<f32> {
+    let t = graph.initializer.iter().find(|t| t.name == name).unwrap();
+    t.raw_data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// The exported graph's numbers, checked in Rust: the first convolution evaluated by hand
+/// from its initializers (BatchNorm folded in, `[out, in, kh, kw]` layout, TF's SAME padding)
+/// against the network's own first layer, and the anchors against `model::ssd::anchors`.
+#[test]
+fn onnx_initializers_compute_what_the_network_does() {
+    use burn::tensor::{Tensor, TensorData};
+    let config = config();
+    let net = network_with_batch_norm(&config);
+    let bytes = to_onnx(&net, &config).unwrap();
+    let graph = ModelProto::decode(bytes.as_slice()).unwrap().graph.unwrap();
+    let conv = graph.node.iter().find(|n| n.op_type == "Conv").unwrap();
+    let (kernel, bias) = (
+        initializer(&graph, &conv.input[1]),
+        initializer(&graph, &conv.input[2]),
+    );
+    let [h, w] = config.image_size;
+    let out = bias.len();
+    let input: Vec<f32> = (0..3 * h * w)
+        .map(|i| ((i * 7919) % 201) as f32 / 100.0 - 1.0)
+        .collect();
+    // stride 2, 3x3, SAME: output ceil(n / 2), padding split with the extra row below/right
+    let (oh, ow) = (h.div_ceil(2), w.div_ceil(2));
+    let pad = |n: usize, o: usize| ((o - 1) * 2 + 3).saturating_sub(n) / 2;
+    let (top, left) = (pad(h, oh), pad(w, ow));
+    let mut by_hand = vec![0f32; out * oh * ow];
+    for o in 0..out {
+        for (y, x) in (0..oh).flat_map(|y| (0..ow).map(move |x| (y, x))) {
+            let mut sum = bias[o];
+            for (c, ky, kx) in
+                (0..3).flat_map(|c| (0..3).flat_map(move |ky| (0..3).map(move |kx| (c, ky, kx))))
+            {
+                let (iy, ix) = (
+                    (y * 2 + ky) as isize - top as isize,
+                    (x * 2 + kx) as isize - left as isize,
+                );
+                if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
+                    sum += kernel[((o * 3 + c) * 3 + ky) * 3 + kx]
+                        * input[(c * h + iy as usize) * w + ix as usize];
+                }
+            }
+            by_hand[(o * oh + y) * ow + x] = sum.clamp(0.0, 6.0);
+        }
+    }
+    let x = Tensor::<Flex, 4>::from_data(TensorData::new(input, [1, 3, h, w]), &Default::default());
+    let theirs: Vec<f32> = net.backbone.conv0.forward(x).into_data().to_vec().unwrap();
+    assert_eq!(theirs.len(), by_hand.len());
+    let worst = theirs
+        .iter()
+        .zip(&by_hand)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "the exported first layer differs by {worst}");
+    assert!(by_hand.iter().filter(|v| **v > 0.0 && **v < 6.0).count() > by_hand.len() / 4);
+    // the anchors, as centres and sizes
+    let anchors = model::ssd::anchors(&config);
+    let (center, size) = (
+        initializer(&graph, "anchors/center"),
+        initializer(&graph, "anchors/size"),
+    );
+    assert_eq!(center.len(), 2 * anchors.len());
+    for (i, a) in anchors.iter().enumerate() {
+        let want_center = [(a.ymin + a.ymax) / 2.0, (a.xmin + a.xmax) / 2.0];
+        let want_size = [a.ymax - a.ymin, a.xmax - a.xmin];
+        for k in 0..2 {
+            assert!(
+                (center[2 * i + k] - want_center[k]).abs() < 1e-6,
+                "anchor {i}"
+            );
+            assert!((size[2 * i + k] - want_size[k]).abs() < 1e-6, "anchor {i}");
+        }
+    }
+}

@@ -186,3 +186,81 @@ fn an_exact_restore_names_the_first_missing_tensor() {
         "{err}"
     );
 }
+
+#[test]
+fn a_value_that_is_not_finite_is_refused_naming_the_file_tensor_and_element() {
+    let target = config(2);
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut theirs = tensors(2, 1);
+        let conv0 = theirs.iter_mut().find(|(n, _, _)| n == CONV0).unwrap();
+        conv0.2[5] = bad;
+        let source = MemorySource::new(Path::new("bad.ckpt"), theirs);
+        let net = target.init::<B>(9, &Default::default()).unwrap();
+        let err = restore(net, &target, &source, RestoreScope::All).unwrap_err();
+        let ModelError::NonFinite {
+            path,
+            tensor,
+            index,
+            value,
+        } = &err
+        else {
+            panic!("{err}")
+        };
+        assert_eq!(
+            (path.as_path(), tensor.as_str(), *index),
+            (Path::new("bad.ckpt"), CONV0, 5)
+        );
+        assert_eq!(value.to_bits(), bad.to_bits());
+        assert!(
+            err.to_string().contains("weights file bad.ckpt: tensor `"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn half_precision_safetensors_restore_as_their_f32_values() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let target = config(2);
+    let theirs = tensors(2, 1);
+    let dir = tempfile::tempdir().unwrap();
+    // the file's dtype, its encoding of a value, and the value it then holds
+    type Encoding = (Dtype, fn(f32) -> [u8; 2], fn(f32) -> f32);
+    let encodings: [Encoding; 2] = [
+        (
+            Dtype::F16,
+            |v| half::f16::from_f32(v).to_le_bytes(),
+            |v| half::f16::from_f32(v).to_f32(),
+        ),
+        (
+            Dtype::BF16,
+            |v| half::bf16::from_f32(v).to_le_bytes(),
+            |v| half::bf16::from_f32(v).to_f32(),
+        ),
+    ];
+    for (dtype, encode, rounded) in encodings {
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = theirs
+            .iter()
+            .map(|(n, s, v)| {
+                (
+                    n.clone(),
+                    s.clone(),
+                    v.iter().flat_map(|x| encode(*x)).collect(),
+                )
+            })
+            .collect();
+        let views = bytes
+            .iter()
+            .map(|(n, s, b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()));
+        let file = dir.path().join(format!("{dtype:?}.safetensors"));
+        std::fs::write(&file, safetensors::serialize(views, None).unwrap()).unwrap();
+        let source = model::restore::SafetensorsSource::open(&file).unwrap();
+        let net = target.init::<B>(9, &Default::default()).unwrap();
+        let net = restore_exact(net, &target, &source).unwrap();
+        let got = named_tensors(&net, &target);
+        for name in [CONV0, EXTRA, CLASS] {
+            let want: Vec<f32> = value(&theirs, name).iter().map(|v| rounded(*v)).collect();
+            assert_eq!(value(&got, name), want, "{dtype:?} {name}");
+        }
+    }
+}

@@ -256,6 +256,21 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_that_reads_back_otherwise_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let saved = save(dir.path(), &state(10), &files(), 3).unwrap();
+        verify(&saved, &files()).unwrap();
+        // what a failing disk returns: other bytes than were written
+        std::fs::write(saved.join("optimizer.mpk"), [3, 0]).unwrap();
+        let err = format!("{:#}", verify(&saved, &files()).unwrap_err());
+        assert!(
+            err.contains("optimizer.mpk does not read back as written (2 bytes instead of 1)")
+                && err.contains("older checkpoints are kept"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_failed_write_leaves_the_previous_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
         save(dir.path(), &state(10), &files(), 3).unwrap();

@@ -155,7 +155,11 @@ pub fn detect_files<B: SsdBackend>(
     let mut failed = Vec::new();
     for (i, file) in files.iter().enumerate() {
         let outcome = (|| -> Result<ImageDetections> {
-            let image = image::open(file).with_context(|| format!("reading {}", file.display()))?;
+            let bytes =
+                std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+            // as training decodes: whole files only, sizes within the limits
+            let (image, _) = data::images::decode_image(&bytes)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
             let mut detections = detector.detect(&image)?;
             detections.retain(|d| d.score >= score_threshold);
             detections.truncate(max_detections);

@@ -3,6 +3,6 @@
 
 mod cli;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<std::process::ExitCode> {
     cli::main()
 }

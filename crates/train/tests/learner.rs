@@ -27,10 +27,12 @@ use model::targets::assign_targets;
 use model::weights::load_weights;
 use prost::Message;
 use train::config::{LearningRate, OptimizerConfig, TrainConfig};
-use train::learner::{RunOptions, RunSummary, train};
+use train::eval::{evaluate, run_on_dataset};
+use train::learner::{RunOptions, RunSummary, STOPPED_EXIT_STATUS, train};
 use train::optim::{TfOptimizer, clip_by_global_norm, squared_global_norm};
 use train::report::events::Event;
 use train::sync::{Bucketing, flatten_gradients, unflatten_gradients};
+use train::trained::{TrainedModel, Weights};
 
 type B = Flex;
 
@@ -119,6 +121,26 @@ fn three_replicas_stay_identical_and_evaluate() {
         .map(|v| v.tag.as_str())
         .collect();
     assert_eq!(images, ["eval/image_0", "eval/image_1", "eval/image_2"]);
+
+    // the evaluation in the run is `eval`'s of the checkpoint's moving averages, not of its
+    // raw weights
+    let eval_of = |weights: Weights| {
+        let dir = runs.path().join("ckpt-00000003");
+        let trained = TrainedModel::locate(&dir, None, Some(weights)).unwrap();
+        let net = trained.load::<B>(&Default::default()).unwrap();
+        let index = RecordIndex::build(&expand_patterns(&c.data.eval).unwrap()).unwrap();
+        let sizes = (c.eval.max_images, c.eval.batch_size);
+        let stop = AtomicBool::new(false);
+        let run = run_on_dataset(&net, &c.model, &index, sizes, 0, &Default::default(), &stop);
+        let names: Vec<String> = (1..=2).map(|i| c.model.class_name(i)).collect();
+        evaluate(&run.unwrap().unwrap().results, &names)
+    };
+    let (ema, raw) = (eval_of(Weights::MovingAverage), eval_of(Weights::Raw));
+    assert_eq!(m, ema);
+    assert_ne!(
+        m, raw,
+        "the raw weights score as the moving averages do: {m:?}"
+    );
 }
 
 /// Trains one step with `replicas` replicas (the batch split between them) and checks it
@@ -358,6 +380,30 @@ fn faults_are_clear_errors() {
         err.contains("at step") && err.contains("last good checkpoint"),
         "{err}"
     );
+    // the checkpoint it names holds finite weights, and none after it was written
+    let kept = train::checkpoint::latest(runs.path())
+        .unwrap()
+        .expect("a checkpoint before the divergence");
+    assert!(
+        err.contains(&format!("last good checkpoint: {}", kept.display())),
+        "{err}"
+    );
+    let diverged_at: u64 = err
+        .split("at step ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(train::checkpoint::read_state(&kept).unwrap().step <= diverged_at);
+    for (name, values) in tensor_bits(&c, &kept, "model.mpk") {
+        assert!(
+            values.iter().all(|v| f32::from_bits(*v).is_finite()),
+            "{name} is not finite"
+        );
+    }
     // a global batch that does not split over the replicas
     let err = format!(
         "{:#}",
@@ -401,13 +447,13 @@ const TOKEN: &str = "test-cluster-token-0123";
 /// the start of rank 0 and that of rank 1, with rank 0's port.
 fn two_nodes_with(
     config: &Path,
-    model_dir: &Path,
+    model_dirs: [&Path; 2],
     extra: &[&str],
     meanwhile: impl FnOnce(u16),
 ) -> [std::process::Child; 2] {
     let port = free_port();
     let coordinator = format!("tcp://127.0.0.1:{port}");
-    let spawn = |rank: &str| {
+    let spawn = |rank: &str, model_dir: &Path| {
         let mut args = vec![
             "--devices",
             "cpu:2",
@@ -426,13 +472,13 @@ fn two_nodes_with(
             .spawn()
             .unwrap()
     };
-    let rank0 = spawn("0");
+    let rank0 = spawn("0", model_dirs[0]);
     meanwhile(port);
-    [rank0, spawn("1")]
+    [rank0, spawn("1", model_dirs[1])]
 }
 
 fn two_nodes(config: &Path, model_dir: &Path, extra: &[&str]) -> [std::process::Child; 2] {
-    two_nodes_with(config, model_dir, extra, |_| ())
+    two_nodes_with(config, [model_dir; 2], extra, |_| ())
 }
 
 /// A stranger who knows the port but not the token connects to rank 0 first, claiming rank 1:
@@ -463,15 +509,12 @@ fn stranger_claims_rank_1(port: u16) {
     assert!(verdict.is_empty(), "a stranger got an answer");
 }
 
-/// Waits until rank 0 has logged two steps in `model_dir`.
-fn wait_for_steps(model_dir: &Path) {
+/// Waits until rank 0 has logged `steps` steps in `model_dir`.
+fn wait_for_steps(model_dir: &Path, steps: usize) {
     let metrics = model_dir.join("metrics.jsonl");
     let started = std::time::Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(true, |m| m.lines().count() < 2) {
-        assert!(
-            started.elapsed().as_secs() < 300,
-            "the two nodes never trained"
-        );
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.lines().count() < steps) {
+        assert!(started.elapsed().as_secs() < 300, "the run never trained");
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
@@ -513,7 +556,12 @@ fn two_nodes_equal_one_node_with_all_replicas_a_stranger_cannot_join_and_a_lost_
                 stranger_claims_rank_1(port)
             }
         };
-        let [rank0, rank1] = two_nodes_with(&config_file, &two, &["--num-steps", steps], stranger);
+        let [rank0, rank1] = two_nodes_with(
+            &config_file,
+            [two.as_path(); 2],
+            &["--num-steps", steps],
+            stranger,
+        );
         let ((ok0, log0), (ok1, log1)) = (finish(rank0), finish(rank1));
         assert!(ok0 && ok1, "rank 0:\n{log0}\nrank 1:\n{log1}");
         if steps == "2" {
@@ -537,18 +585,40 @@ fn two_nodes_equal_one_node_with_all_replicas_a_stranger_cannot_join_and_a_lost_
         );
     }
 
+    // a node that starts elsewhere (its model dir holds the step-4 checkpoint, rank 0's
+    // nothing) stops the run before the first step, on both nodes
+    let fresh = runs.path().join("fresh");
+    let [rank0, rank1] = two_nodes_with(
+        &config_file,
+        [fresh.as_path(), one.as_path()],
+        &["--num-steps", "6"],
+        |_| (),
+    );
+    for (rank, (ok, log)) in [finish(rank0), finish(rank1)].into_iter().enumerate() {
+        assert!(
+            !ok && log.contains("the replicas do not start from the same point"),
+            "rank {rank}:\n{log}"
+        );
+    }
+    assert!(train::checkpoint::latest(&fresh).unwrap().is_none());
+
     // Ctrl-C on rank 1: both stop after the same step and rank 0 writes the checkpoint
     let stopped = runs.path().join("stopped");
     let [rank0, rank1] = two_nodes(&config_file, &stopped, &["--num-steps", "100000"]);
-    wait_for_steps(&stopped);
+    wait_for_steps(&stopped, 2);
     let interrupt = std::process::Command::new("kill")
         .args(["-INT", &rank1.id().to_string()])
         .status()
         .unwrap();
     assert!(interrupt.success());
-    let ((ok0, log0), (ok1, log1)) = (finish(rank0), finish(rank1));
-    assert!(ok0 && ok1, "rank 0:\n{log0}\nrank 1:\n{log1}");
-    assert!(log1.contains("interrupted"), "{log1}");
+    let stopped_on_request = |child: std::process::Child| {
+        let out = child.wait_with_output().unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(STOPPED_EXIT_STATUS.into()), "{log}");
+        log
+    };
+    let (log0, log1) = (stopped_on_request(rank0), stopped_on_request(rank1));
+    assert!(log1.contains("SIGINT: stopping after this step"), "{log1}");
     let state =
         train::checkpoint::read_state(&train::checkpoint::latest(&stopped).unwrap().unwrap())
             .unwrap();
@@ -565,7 +635,7 @@ fn two_nodes_equal_one_node_with_all_replicas_a_stranger_cannot_join_and_a_lost_
     // rank 1 stops for good: rank 0 ends with an error within the node timeout, not a hang
     let lost = runs.path().join("lost");
     let [rank0, mut rank1] = two_nodes(&config_file, &lost, &["--num-steps", "100000"]);
-    wait_for_steps(&lost);
+    wait_for_steps(&lost, 2);
     rank1.kill().unwrap();
     rank1.wait().unwrap();
     let killed = std::time::Instant::now();
@@ -621,5 +691,88 @@ fn repeating_the_first_batch_reads_one_batch() {
         let dir = runs.path().join(format!("ckpt-{step:08}"));
         let state = train::checkpoint::read_state(&dir).unwrap();
         assert_eq!((state.step, state.position.index), (step, 4));
+    }
+}
+
+/// Every tensor of a checkpoint's weights file (`model.mpk` or `ema.mpk`), as bits.
+fn tensor_bits(config: &TrainConfig, checkpoint: &Path, file: &str) -> Vec<(String, Vec<u32>)> {
+    let net: Ssd<B> =
+        load_weights(&config.model, &checkpoint.join(file), &Default::default()).unwrap();
+    model::tf::names::named_tensors(&net, &config.model)
+        .into_iter()
+        .map(|(name, _, values)| (name, values.iter().map(|v| v.to_bits()).collect()))
+        .collect()
+}
+
+/// SIGTERM, as Slurm and Kubernetes send it before a kill: the run finishes its step, writes a
+/// checkpoint there and exits with the stopped status within seconds. A second run on the
+/// model dir meanwhile is refused at once, naming the first, which goes on undisturbed.
+/// Resumed, the run ends with the weights of a run never stopped, bit for bit (raw and
+/// moving average).
+#[test]
+fn sigterm_checkpoints_and_resumes_exactly_and_a_second_run_on_the_dir_is_refused() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let runs = tempfile::tempdir().unwrap();
+    let mut c = config(data.path(), 100_000);
+    c.train.moving_average_decay = Some(0.9);
+    // no periodic checkpoint near the stop: the resume starts from the stop's own
+    c.train.checkpoint_every = 100_000;
+    let config_file = runs.path().join("tiny.json");
+    std::fs::write(&config_file, serde_json::to_string(&c).unwrap()).unwrap();
+    let (stopped, whole) = (runs.path().join("stopped"), runs.path().join("whole"));
+    let cpu = ["--devices", "cpu"];
+    let first = train_process(&config_file, &stopped, &cpu).spawn().unwrap();
+    wait_for_steps(&stopped, 15);
+
+    let asked = std::time::Instant::now();
+    let second = train_process(&config_file, &stopped, &cpu)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&second.stderr);
+    let holder = format!("in use by another training run (pid {} on ", first.id());
+    assert!(!second.status.success() && log.contains(&holder), "{log}");
+    assert!(
+        asked.elapsed().as_secs() < 30,
+        "refused after {:?}",
+        asked.elapsed()
+    );
+
+    let signalled = std::time::Instant::now();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &first.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = first.wait_with_output().unwrap();
+    let waited = signalled.elapsed();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(STOPPED_EXIT_STATUS.into()), "{log}");
+    assert!(waited.as_secs() < 30, "exit {waited:?} after SIGTERM");
+    assert!(log.contains("SIGTERM: stopping after this step"), "{log}");
+    let checkpoint = train::checkpoint::latest(&stopped).unwrap().unwrap();
+    let step = train::checkpoint::read_state(&checkpoint).unwrap().step;
+    assert!(step >= 15 && log.contains(&format!("stopped on request at step {step} of ")));
+    // the first run's log is its own: steps 1 to the stop, once each
+    let logged: Vec<u64> = std::fs::read_to_string(stopped.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64())
+        .collect();
+    assert_eq!(logged, (1..=step).collect::<Vec<_>>());
+
+    let end = (step + 3).to_string();
+    for dir in [&stopped, &whole] {
+        let args = ["--devices", "cpu", "--num-steps", &end];
+        let (ok, log) = finish(train_process(&config_file, dir, &args).spawn().unwrap());
+        assert!(ok, "{log}");
+    }
+    let [resumed, uninterrupted] =
+        [&stopped, &whole].map(|dir| train::checkpoint::latest(dir).unwrap().unwrap());
+    for file in ["model.mpk", "ema.mpk"] {
+        assert!(
+            tensor_bits(&c, &resumed, file) == tensor_bits(&c, &uninterrupted, file),
+            "{file} after the resume differs from the uninterrupted run's"
+        );
     }
 }

@@ -201,3 +201,59 @@ fn unsupported_settings_are_all_named_with_their_lines() {
         "{e}"
     );
 }
+
+#[test]
+fn numbers_beyond_a_float_are_named_with_their_lines() {
+    // (a bare `nan` or `inf` is a word, refused as "expected a number")
+    for number in ["1e400", "-inf", "+nan", "3.5e38"] {
+        let text = MINIMAL.replace(
+            "learning_rate_base: 0.01",
+            &format!("learning_rate_base: {number}"),
+        );
+        let e = format!("{:#}", import_text(&text).unwrap_err());
+        let want = format!("learning_rate_base (line 15): `{number}` is not a finite number");
+        assert!(e.contains(&want), "missing `{want}` in:\n{e}");
+    }
+}
+
+/// MINIMAL with `num_classes` classes and a label map of `text`.
+fn import_with_label_map(
+    num_classes: usize,
+    text: &str,
+) -> anyhow::Result<train::config::pipeline::Imported> {
+    let dir = tempfile::tempdir().unwrap();
+    let map = dir.path().join("label_map.pbtxt");
+    std::fs::write(&map, text).unwrap();
+    let reader = format!(
+        "label_map_path: {:?} tf_record_input_reader {{",
+        map.display().to_string()
+    );
+    let config = MINIMAL
+        .replace("num_classes: 2", &format!("num_classes: {num_classes}"))
+        .replace("tf_record_input_reader {", &reader);
+    import_text(&config)
+}
+
+#[test]
+fn label_map_ids_keep_their_places_and_an_empty_map_is_an_error() {
+    // no item for id 2: the class of id 3 stays class 3 (it was class 2 when names were
+    // taken in order)
+    let map = "item { id: 1 name: 'cat' } item { id: 3 name: 'dog' }";
+    let imported = import_with_label_map(3, map).unwrap();
+    assert_eq!(imported.config.model.class_names, ["cat", "class_2", "dog"]);
+    assert!(
+        imported
+            .notes
+            .iter()
+            .any(|n| n.contains("no item for ids [2]")),
+        "{:?}",
+        imported.notes
+    );
+    let e = format!("{:#}", import_with_label_map(2, map).unwrap_err());
+    assert!(e.contains("id 3 (\"dog\") is over num_classes 2"), "{e}");
+    let e = format!(
+        "{:#}",
+        import_with_label_map(2, "# nothing here\n").unwrap_err()
+    );
+    assert!(e.contains("no `item`"), "{e}");
+}

@@ -180,7 +180,10 @@ pub fn restore<B: Backend>(
             skipped.push((SHAPE_DIFFERS.to_string(), what));
             return None;
         }
-        match source.values(&found) {
+        match source
+            .values(&found)
+            .and_then(|v| finite(v, source, &found))
+        {
             Ok(v) => {
                 restored.push(name.to_string());
                 Some(v)
@@ -231,6 +234,20 @@ pub fn restore<B: Backend>(
     }
     check_useful(&report, source)?;
     Ok((model, report))
+}
+
+/// `values` of the tensor `name` when every one is finite: a NaN or an infinity would
+/// make the first step's loss NaN, far from its cause.
+fn finite(values: Vec<f32>, source: &dyn TensorSource, name: &str) -> Result<Vec<f32>> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(values),
+        Some(index) => Err(ModelError::NonFinite {
+            path: source.path().to_path_buf(),
+            tensor: source.stored_name(name),
+            index,
+            value: values[index],
+        }),
+    }
 }
 
 /// A restore that took no feature-extractor tensor is of another network.

@@ -8,6 +8,7 @@ use safetensors::tensor::Dtype;
 
 use super::TensorSource;
 use crate::error::{ModelError, Result};
+use crate::floats::FloatEncoding;
 use crate::mobilenet::SEPARABLE_BLOCKS;
 use crate::tf::bundle::{Checkpoint, DType};
 use crate::tf::names::{is_depthwise_kernel, is_moving_statistic, kernel_from_tf};
@@ -201,7 +202,7 @@ impl TensorSource for SafetensorsSource {
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         let file = self.file().ok()?;
         let view = file.tensor(self.stored(name)).ok()?;
-        (view.dtype() == Dtype::F32).then(|| view.shape().to_vec())
+        float_encoding(view.dtype()).map(|_| view.shape().to_vec())
     }
 
     fn values(&self, name: &str) -> Result<Vec<f32>> {
@@ -212,11 +213,23 @@ impl TensorSource for SafetensorsSource {
                 path: self.path.clone(),
                 problem: format!("{name}: {e}"),
             })?;
-        Ok(view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        let encoding = float_encoding(view.dtype()).ok_or_else(|| ModelError::Decode {
+            path: self.path.clone(),
+            problem: format!("{name} is {:?}, not a floating-point tensor", view.dtype()),
+        })?;
+        Ok(encoding.decode(view.data()))
+    }
+}
+
+/// How a safetensors dtype encodes floats, `None` for the others (integers, booleans, 8-bit
+/// floats).
+fn float_encoding(dtype: Dtype) -> Option<FloatEncoding> {
+    match dtype {
+        Dtype::F16 => Some(FloatEncoding::F16),
+        Dtype::BF16 => Some(FloatEncoding::BF16),
+        Dtype::F32 => Some(FloatEncoding::F32),
+        Dtype::F64 => Some(FloatEncoding::F64),
+        _ => None,
     }
 }
 

@@ -21,8 +21,8 @@ pub struct DetectArgs {
     /// Output folder.
     #[arg(long)]
     out: PathBuf,
-    /// Keep detections scoring at least this.
-    #[arg(long, default_value_t = 0.5)]
+    /// Keep detections scoring at least this (0 to 1).
+    #[arg(long, default_value_t = 0.5, value_parser = score)]
     score_threshold: f32,
     /// At most this many detections per image.
     #[arg(long, default_value_t = 20)]
@@ -74,5 +74,26 @@ impl BackendJob for Detection<'_> {
             a.max_detections,
         )?;
         Ok(results.iter().map(|r| r.detections.len()).sum())
+    }
+}
+
+/// A score threshold: a number from 0 to 1 (NaN would drop every detection).
+fn score(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(t) if (0.0..=1.0).contains(&t) => Ok(t),
+        _ => Err(format!("{text} is not a score from 0 to 1")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn score_thresholds_are_numbers_from_0_to_1() {
+        assert_eq!(super::score("0.3"), Ok(0.3));
+        assert_eq!(super::score("1"), Ok(1.0));
+        for bad in ["nan", "-0.1", "1.5", "inf", "high"] {
+            let err = super::score(bad).unwrap_err();
+            assert_eq!(err, format!("{bad} is not a score from 0 to 1"));
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! against COCO ground truth.
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
 use data::shards::expand_patterns;
@@ -116,7 +117,9 @@ impl BackendJob for Evaluation<'_> {
             (settings.max_images, settings.batch_size),
             0,
             device,
-        )?;
+            &AtomicBool::new(false),
+        )?
+        .context("the evaluation stopped before its end")?;
         let names: Vec<String> = (1..=config.num_classes)
             .map(|i| config.class_name(i))
             .collect();

@@ -4,9 +4,11 @@
 mod detect;
 mod evaluate;
 mod export;
+mod stop_signals;
 mod training;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -75,27 +77,32 @@ impl CheckpointArgs {
 }
 
 /// Parses the command line and runs the command.
-pub fn main() -> Result<()> {
+pub fn main() -> Result<ExitCode> {
     train::allocator::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    match cli.command {
-        None => training::run(cli.train),
+    let done = match cli.command {
+        None => return training::run(cli.train),
         Some(Command::Eval(args)) => evaluate::run(args),
         Some(Command::Detect(args)) => detect::run(args),
         Some(Command::Export(args)) => export::run(args),
         Some(Command::ImportCheckpoint(args)) => export::import_checkpoint(args),
         Some(Command::ImportConfig { pipeline, out }) => import_config(&pipeline, &out),
         Some(Command::Plot { model_dir }) => {
-            for f in train::report::charts::write_charts(&model_dir)? {
+            let charts = train::report::charts::write_charts(&model_dir)?;
+            for f in &charts.files {
                 println!("{}", f.display());
+            }
+            if let Some(note) = charts.note() {
+                eprintln!("note: {note}");
             }
             Ok(())
         }
-    }
+    };
+    done.map(|()| ExitCode::SUCCESS)
 }
 
 fn import_config(pipeline: &std::path::Path, out: &std::path::Path) -> Result<()> {

@@ -1,15 +1,14 @@
 //! The default command: train a config on the chosen devices.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use data::shards::expand_patterns;
 use train::config::TrainConfig;
 use train::devices::{check_memory, parse_devices};
-use train::learner::{RunOptions, RunSummary, TrainingJob};
+use train::learner::{RunOptions, RunSummary, STOPPED_EXIT_STATUS, TrainingJob};
 use train::sync::{Cluster, TOKEN_ENV};
 
 use super::evaluate::print_metrics;
@@ -74,8 +73,9 @@ pub struct TrainArgs {
     node_timeout: f64,
 }
 
-/// Trains as `args` say and prints what the run did.
-pub fn run(args: TrainArgs) -> Result<()> {
+/// Trains as `args` say and prints what the run did; the exit status tells a stop request
+/// ([`STOPPED_EXIT_STATUS`]) from the end of the run.
+pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let (devices, first_line) = parse_devices(args.devices.as_deref())?;
     eprintln!("{first_line}");
     let config = config_with_overrides(&args)?;
@@ -91,7 +91,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     });
     let options = RunOptions {
         model_dir: model_dir.clone(),
-        stop: stop_on_ctrl_c()?,
+        stop: super::stop_signals::stop_flag()?,
         verbose: true,
         cluster: cluster(&args)?,
         repeat_first_batch: false,
@@ -101,7 +101,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
         options: &options,
     })?;
     print_summary(&summary, &model_dir);
-    Ok(())
+    if summary.stopped {
+        eprintln!(
+            "stopped on request at step {} of {}: run the same command to resume (exit status {STOPPED_EXIT_STATUS})",
+            summary.step, config.train.num_steps
+        );
+        return Ok(ExitCode::from(STOPPED_EXIT_STATUS));
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The config file with the command line's overrides, validated.
@@ -146,18 +153,6 @@ fn ensure_training_data(config: &TrainConfig) -> Result<()> {
     );
     data::prepare::prepare_synthetic(&out, 42, 3000, 300, 4, &|_, _| {})?;
     Ok(())
-}
-
-/// A flag that Ctrl-C sets: the run then checkpoints and stops after the current step.
-fn stop_on_ctrl_c() -> Result<Arc<AtomicBool>> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    ctrlc::set_handler(move || {
-        eprintln!("interrupted: finishing the step and writing a checkpoint");
-        flag.store(true, Ordering::Relaxed);
-    })
-    .context("installing the Ctrl-C handler")?;
-    Ok(stop)
 }
 
 /// This process's place in a multi-node run, `None` for a run on this machine alone.

@@ -137,19 +137,71 @@ mod tests {
             &|c| c.train.log_every = 0,
             "`train.log_every` must be at least 1, got 0",
         );
+        let exponential = |burnin: f64, min: f64| LearningRate::ExponentialDecay {
+            initial_learning_rate: 0.004,
+            decay_steps: 1000,
+            decay_factor: 0.95,
+            staircase: true,
+            burnin_learning_rate: burnin,
+            burnin_steps: 10,
+            min_learning_rate: min,
+        };
+        let cosine = |base: f64, warmup: f64| LearningRate::CosineDecay {
+            learning_rate_base: base,
+            total_steps: 100,
+            warmup_learning_rate: warmup,
+            warmup_steps: 10,
+            hold_base_rate_steps: 0,
+        };
         let rates = [
-            LearningRate::Constant {
-                learning_rate: -0.1,
-            },
-            LearningRate::Constant {
-                learning_rate: f64::NAN,
-            },
-            LearningRate::ManualStep {
-                initial_learning_rate: 0.1,
-                schedule: vec![(10, -0.01)],
-            },
+            (
+                LearningRate::Constant {
+                    learning_rate: -0.1,
+                },
+                "learning_rate` must be a finite rate of at least 0, got -0.1",
+            ),
+            (
+                LearningRate::Constant {
+                    learning_rate: f64::NAN,
+                },
+                "learning_rate` must be a finite rate of at least 0, got NaN",
+            ),
+            (
+                LearningRate::Constant {
+                    learning_rate: f64::INFINITY,
+                },
+                "learning_rate` must be a finite rate of at least 0, got inf",
+            ),
+            (
+                LearningRate::ManualStep {
+                    initial_learning_rate: 0.1,
+                    schedule: vec![(10, -0.01)],
+                },
+                "learning_rate.schedule` must be a finite rate of at least 0, got -0.01",
+            ),
+            // gradient ascent during the burn-in or the warm-up
+            (
+                exponential(-0.001, 0.0),
+                "learning_rate.burnin_learning_rate` must be a finite rate of at least 0, got -0.001",
+            ),
+            (
+                exponential(0.0, f64::NAN),
+                "learning_rate.min_learning_rate` must be a finite rate of at least 0, got NaN",
+            ),
+            (
+                cosine(0.04, -0.01),
+                "learning_rate.warmup_learning_rate` must be a finite rate of at least 0, got -0.01",
+            ),
+            (
+                cosine(f64::INFINITY, 0.01),
+                "learning_rate.learning_rate_base` must be a finite rate of at least 0, got inf",
+            ),
+            (
+                cosine(0.04, 0.05),
+                "`train.optimizer.learning_rate` is invalid",
+            ),
         ];
-        for rate in rates {
+        for (rate, message) in rates {
             let rate = &rate;
             refused(
                 &|c| {
@@ -158,9 +210,20 @@ mod tests {
                         momentum: 0.9,
                     }
                 },
-                "`train.optimizer.learning_rate` is invalid",
+                message,
             );
         }
+        refused(
+            &|c| {
+                c.train.optimizer = OptimizerConfig::RmsProp {
+                    learning_rate: exponential(0.0, 0.0),
+                    momentum: 0.9,
+                    decay: 0.9,
+                    epsilon: f32::INFINITY,
+                }
+            },
+            "epsilon finite and positive",
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ impl TrainConfig {
             bail!("`train.moving_average_decay` must be in [0, 1), got {d}");
         }
         if let Some(n) = t.gradient_clipping_by_norm
-            && !(n.is_finite() && n > 0.0)
+            && !positive(n.into())
         {
             bail!("`train.gradient_clipping_by_norm` must be positive, got {n}");
         }
@@ -46,10 +46,10 @@ impl TrainConfig {
             } => {
                 if !(0.0..1.0).contains(momentum)
                     || !(0.0..1.0).contains(decay)
-                    || epsilon.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+                    || !positive((*epsilon).into())
                 {
                     bail!(
-                        "`train.optimizer.rms_prop`: momentum and decay must be in [0, 1), epsilon positive"
+                        "`train.optimizer.rms_prop`: momentum and decay must be in [0, 1), epsilon finite and positive"
                     );
                 }
             }
@@ -66,9 +66,11 @@ impl TrainConfig {
             } => {
                 if !(0.0..1.0).contains(beta1)
                     || !(0.0..1.0).contains(beta2)
-                    || epsilon.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+                    || !positive((*epsilon).into())
                 {
-                    bail!("`train.optimizer.adam`: betas must be in [0, 1), epsilon positive");
+                    bail!(
+                        "`train.optimizer.adam`: betas must be in [0, 1), epsilon finite and positive"
+                    );
                 }
             }
         }
@@ -84,16 +86,29 @@ impl TrainConfig {
     }
 }
 
+/// Finite and above 0 (NaN is not).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
 impl LearningRate {
+    /// Every rate finite and at least 0 (a negative rate climbs the loss), each named when it
+    /// is not; then the schedule's shape.
     fn validate(&self) -> Result<()> {
+        for (name, rate) in self.rates() {
+            if !(rate.is_finite() && rate >= 0.0) {
+                bail!(
+                    "`train.optimizer.learning_rate.{name}` must be a finite rate of at least 0, got {rate}"
+                );
+            }
+        }
         let ok = match self {
-            Self::Constant { learning_rate } => *learning_rate >= 0.0,
+            Self::Constant { .. } => true,
             Self::ExponentialDecay {
-                initial_learning_rate,
                 decay_steps,
                 decay_factor,
                 ..
-            } => *initial_learning_rate >= 0.0 && *decay_steps > 0 && *decay_factor > 0.0,
+            } => *decay_steps > 0 && decay_factor.is_finite() && *decay_factor > 0.0,
             Self::CosineDecay {
                 learning_rate_base,
                 total_steps,
@@ -101,23 +116,46 @@ impl LearningRate {
                 hold_base_rate_steps,
                 warmup_learning_rate,
             } => {
-                *learning_rate_base >= 0.0
-                    && *total_steps > warmup_steps + hold_base_rate_steps
+                *total_steps > warmup_steps + hold_base_rate_steps
                     && warmup_learning_rate <= learning_rate_base
             }
-            Self::ManualStep {
-                initial_learning_rate,
-                schedule,
-            } => {
-                *initial_learning_rate >= 0.0
-                    && schedule.iter().all(|(_, rate)| *rate >= 0.0)
-                    && schedule.windows(2).all(|w| w[0].0 < w[1].0)
-            }
+            Self::ManualStep { schedule, .. } => schedule.windows(2).all(|w| w[0].0 < w[1].0),
         };
         if ok {
             Ok(())
         } else {
             bail!("`train.optimizer.learning_rate` is invalid: {self:?}")
+        }
+    }
+
+    /// Every rate of the schedule, with its field's name.
+    fn rates(&self) -> Vec<(&'static str, f64)> {
+        match self {
+            Self::Constant { learning_rate } => vec![("learning_rate", *learning_rate)],
+            Self::ExponentialDecay {
+                initial_learning_rate,
+                burnin_learning_rate,
+                min_learning_rate,
+                ..
+            } => vec![
+                ("initial_learning_rate", *initial_learning_rate),
+                ("burnin_learning_rate", *burnin_learning_rate),
+                ("min_learning_rate", *min_learning_rate),
+            ],
+            Self::CosineDecay {
+                learning_rate_base,
+                warmup_learning_rate,
+                ..
+            } => vec![
+                ("learning_rate_base", *learning_rate_base),
+                ("warmup_learning_rate", *warmup_learning_rate),
+            ],
+            Self::ManualStep {
+                initial_learning_rate,
+                schedule,
+            } => std::iter::once(("initial_learning_rate", *initial_learning_rate))
+                .chain(schedule.iter().map(|(_, rate)| ("schedule", *rate)))
+                .collect(),
         }
     }
 }

@@ -193,11 +193,12 @@ pub fn check_memory(config: &TrainConfig, devices: &Devices) -> Result<()> {
     };
     let m = &config.model;
     bail!(
-        "a training step of {images} image(s) needs about {:.1} GiB (`model.image_size` {:?}, `model.num_classes` {}, `model.depth_multiplier` {}, `train.batch_size` {batch}), and {place} {:.1} GiB: lower the batch size, the image size or the depth multiplier",
+        "a training step of {images} image(s) needs about {:.1} GiB (`model.image_size` {:?}, `model.num_classes` {}, `model.depth_multiplier` {}, `model.min_depth` {}, `train.batch_size` {batch}), and {place} {:.1} GiB: lower the batch size, the image size, the depth multiplier or the minimum depth",
         needed / GIB,
         m.image_size,
         m.num_classes,
         m.depth_multiplier,
+        m.min_depth,
         available / GIB
     )
 }
@@ -291,6 +292,7 @@ mod tests {
         .unwrap();
         check_memory(&config, &Devices::Cpu(1)).unwrap();
         check_memory(&config, &Devices::Cuda(vec![0])).unwrap();
+        let fits = config.clone();
         config.model.image_size = [100_000, 100_000];
         for devices in [Devices::Cpu(2), Devices::Cuda(vec![0, 1])] {
             let err = check_memory(&config, &devices).unwrap_err().to_string();
@@ -299,6 +301,13 @@ mod tests {
                 "{err}"
             );
         }
+        // made large by the minimum depth alone: the message names it with its value
+        let mut deep = fits;
+        deep.model.min_depth = 1_000_000;
+        let err = check_memory(&deep, &Devices::Cpu(1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`model.min_depth` 1000000"), "{err}");
     }
 
     #[test]

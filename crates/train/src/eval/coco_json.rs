@@ -9,18 +9,83 @@ use serde_json::Value;
 
 use super::metrics::{DetBox, GtBox, ImageResult};
 
-fn bbox_from(v: &Value, what: &str) -> Result<BBox> {
+/// `[x, y, width, height]` of `entry` (e.g. "annotations[3]"): four finite numbers, the
+/// width and height not negative.
+fn bbox_from(v: &Value, entry: &str) -> Result<BBox> {
     let a: Vec<f32> = v
         .as_array()
         .filter(|a| a.len() == 4)
         .and_then(|a| a.iter().map(|x| x.as_f64().map(|f| f as f32)).collect())
-        .with_context(|| format!("{what}: `bbox` must be [x, y, width, height]"))?;
+        .with_context(|| format!("{entry}: `bbox` must be [x, y, width, height], not {v}"))?;
+    if a.iter().any(|x| !x.is_finite()) || a[2] < 0.0 || a[3] < 0.0 {
+        bail!("{entry}: `bbox` {v} must be finite with a width and height of at least 0");
+    }
     Ok(BBox::new(a[1], a[0], a[1] + a[3], a[0] + a[2]))
+}
+
+/// The `category_id` of `entry`, one of the `num_classes` categories.
+fn category_of(v: &Value, entry: &str, num_classes: usize) -> Result<usize> {
+    let id = &v["category_id"];
+    match id.as_u64() {
+        Some(c) if (1..=num_classes as u64).contains(&c) => Ok(c as usize),
+        _ => bail!("{entry}: `category_id` {id} is not one of the categories (1..={num_classes})"),
+    }
+}
+
+/// The class names by id; the ids must be 1..=N.
+fn read_categories(gt: &Value) -> Result<Vec<String>> {
+    let mut categories: Vec<(u64, String)> = gt["categories"]
+        .as_array()
+        .context("no `categories`")?
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let id = c["id"]
+                .as_u64()
+                .with_context(|| format!("categories[{i}]: no integer `id`"))?;
+            Ok((id, c["name"].as_str().unwrap_or_default().to_string()))
+        })
+        .collect::<Result<_>>()?;
+    categories.sort();
+    let ids: Vec<u64> = categories.iter().map(|c| c.0).collect();
+    if ids.is_empty() || ids.iter().enumerate().any(|(i, id)| *id != i as u64 + 1) {
+        bail!("category ids must be 1..=N, found {ids:?}");
+    }
+    Ok(categories.into_iter().map(|(_, name)| name).collect())
+}
+
+/// Each image id's place, in the ground truth's order; an id may appear once.
+fn read_images(gt: &Value) -> Result<HashMap<u64, usize>> {
+    let mut slot = HashMap::new();
+    for (i, im) in gt["images"]
+        .as_array()
+        .context("no `images`")?
+        .iter()
+        .enumerate()
+    {
+        let id = im["id"]
+            .as_u64()
+            .with_context(|| format!("images[{i}]: no integer `id`"))?;
+        if slot.insert(id, slot.len()).is_some() {
+            bail!("images[{i}]: image id {id} appears twice");
+        }
+    }
+    Ok(slot)
+}
+
+/// The place of `entry`'s image.
+fn image_of(v: &Value, entry: &str, slot: &HashMap<u64, usize>) -> Result<usize> {
+    let id = &v["image_id"];
+    id.as_u64()
+        .and_then(|id| slot.get(&id).copied())
+        .with_context(|| format!("{entry}: `image_id` {id} is not one of the images"))
 }
 
 /// Reads COCO ground truth (`images`, `annotations`, `categories`) and COCO-format results
 /// (`[{image_id, category_id, bbox, score}]`). Returns the images and the class names by id
-/// (ids must be 1..=N). Crowd annotations are rejected (not supported).
+/// (ids must be 1..=N). Every entry is checked as training data is: a known image and
+/// category, a box with finite coordinates and no negative side, a finite score; the error
+/// names the file, the entry and the value. Crowd annotations are rejected (not supported).
 pub fn read_coco(
     ground_truth: &Path,
     detections: &Path,
@@ -30,79 +95,170 @@ pub fn read_coco(
             std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         serde_json::from_str(&text).with_context(|| format!("{} is not JSON", p.display()))
     };
-    let gt = read(ground_truth)?;
-    let dt = read(detections)?;
-    let mut categories: Vec<(u64, String)> = gt["categories"]
+    let (gt, dt) = (read(ground_truth)?, read(detections)?);
+    let in_gt = || ground_truth.display().to_string();
+    let names = read_categories(&gt).with_context(in_gt)?;
+    let slot = read_images(&gt).with_context(in_gt)?;
+    let mut images = vec![ImageResult::default(); slot.len()];
+    let annotations = gt["annotations"]
         .as_array()
-        .with_context(|| format!("{}: no `categories`", ground_truth.display()))?
-        .iter()
-        .map(|c| {
-            Ok((
-                c["id"].as_u64().context("category without id")?,
-                c["name"].as_str().unwrap_or_default().to_string(),
-            ))
-        })
-        .collect::<Result<_>>()?;
-    categories.sort();
-    if categories
-        .iter()
-        .enumerate()
-        .any(|(i, (id, _))| *id != i as u64 + 1)
-    {
-        bail!("{}: category ids must be 1..=N", ground_truth.display());
-    }
-    let mut slot = HashMap::new();
-    let mut images = Vec::new();
-    for im in gt["images"]
-        .as_array()
-        .with_context(|| format!("{}: no `images`", ground_truth.display()))?
-    {
-        slot.insert(im["id"].as_u64().context("image without id")?, images.len());
-        images.push(ImageResult::default());
-    }
-    for a in gt["annotations"]
-        .as_array()
-        .with_context(|| format!("{}: no `annotations`", ground_truth.display()))?
-    {
+        .context("no `annotations`")
+        .with_context(in_gt)?;
+    for (i, a) in annotations.iter().enumerate() {
+        let entry = format!("annotations[{i}]");
         if a["iscrowd"].as_u64() == Some(1) {
-            bail!(
-                "{}: crowd annotations are not supported",
-                ground_truth.display()
-            );
+            bail!("{}: {entry}: crowd annotations are not supported", in_gt());
         }
-        let i = *slot
-            .get(
-                &a["image_id"]
-                    .as_u64()
-                    .context("annotation without image_id")?,
-            )
-            .context("annotation of an unknown image")?;
-        images[i].ground_truth.push(GtBox {
-            bbox: bbox_from(&a["bbox"], "annotation")?,
-            class_id: a["category_id"]
-                .as_u64()
-                .context("annotation without category_id")? as usize,
-            difficult: false,
-        });
+        let truth = (|| -> Result<(usize, GtBox)> {
+            let image = image_of(a, &entry, &slot)?;
+            let bbox = bbox_from(&a["bbox"], &entry)?;
+            let class_id = category_of(a, &entry, names.len())?;
+            Ok((
+                image,
+                GtBox {
+                    bbox,
+                    class_id,
+                    difficult: false,
+                },
+            ))
+        })()
+        .with_context(in_gt)?;
+        images[truth.0].ground_truth.push(truth.1);
     }
-    for d in dt
+    let in_dt = || detections.display().to_string();
+    let list = dt
         .as_array()
-        .with_context(|| format!("{}: expected a list of detections", detections.display()))?
-    {
-        let i = *slot
-            .get(
-                &d["image_id"]
-                    .as_u64()
-                    .context("detection without image_id")?,
-            )
-            .with_context(|| format!("{}: detection of an unknown image", detections.display()))?;
-        images[i].detections.push(DetBox {
-            bbox: bbox_from(&d["bbox"], "detection")?,
-            class_id: d["category_id"]
-                .as_u64()
-                .context("detection without category_id")? as usize,
-            score: d["score"].as_f64().context("detection without score")? as f32,
-        });
+        .context("expected a list of detections")
+        .with_context(in_dt)?;
+    for (i, d) in list.iter().enumerate() {
+        let entry = format!("detections[{i}]");
+        let found = (|| -> Result<(usize, DetBox)> {
+            let image = image_of(d, &entry, &slot)?;
+            let bbox = bbox_from(&d["bbox"], &entry)?;
+            let class_id = category_of(d, &entry, names.len())?;
+            let score = d["score"]
+                .as_f64()
+                .map(|s| s as f32)
+                .filter(|s| s.is_finite());
+            let score = score.with_context(|| {
+                format!("{entry}: `score` {} is not a finite number", d["score"])
+            })?;
+            Ok((
+                image,
+                DetBox {
+                    bbox,
+                    class_id,
+                    score,
+                },
+            ))
+        })()
+        .with_context(in_dt)?;
+        images[found.0].detections.push(found.1);
     }
-    Ok((images, categories.into_iter().map(|(_, n)| n).collect()))
+    Ok((images, names))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::eval::evaluate;
+
+    /// Ground truth of two images, a cat in each and a dog in the second, with `annotation`
+    /// added; the detections as given.
+    fn files(
+        annotation: Option<Value>,
+        detections: Value,
+    ) -> (tempfile::TempDir, Result<Vec<ImageResult>>) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut annotations = vec![
+            json!({"id": 1, "image_id": 10, "category_id": 1, "bbox": [10, 20, 100, 80]}),
+            json!({"id": 2, "image_id": 20, "category_id": 1, "bbox": [50, 50, 60, 60]}),
+            json!({"id": 3, "image_id": 20, "category_id": 2, "bbox": [200, 10, 90, 120]}),
+        ];
+        annotations.extend(annotation);
+        let gt = json!({
+            "images": [{"id": 10, "width": 400, "height": 300}, {"id": 20, "width": 400, "height": 300}],
+            "annotations": annotations,
+            "categories": [{"id": 2, "name": "dog"}, {"id": 1, "name": "cat"}],
+        });
+        let (g, d) = (dir.path().join("gt.json"), dir.path().join("dt.json"));
+        std::fs::write(&g, gt.to_string()).unwrap();
+        std::fs::write(&d, detections.to_string()).unwrap();
+        let read = read_coco(&g, &d).map(|(images, names)| {
+            assert_eq!(names, ["cat", "dog"]);
+            images
+        });
+        (dir, read)
+    }
+
+    #[test]
+    fn scores_coco_files_as_worked_out_by_hand() {
+        let detections = json!([
+            {"image_id": 10, "category_id": 1, "bbox": [10, 20, 100, 80], "score": 0.9},
+            // far from any cat: a false positive ranked between the two true ones
+            {"image_id": 20, "category_id": 1, "bbox": [300, 200, 50, 50], "score": 0.8},
+            {"image_id": 20, "category_id": 1, "bbox": [50, 50, 60, 60], "score": 0.7},
+            {"image_id": 20, "category_id": 2, "bbox": [200, 10, 90, 120], "score": 0.6},
+        ]);
+        let (_dir, images) = files(None, detections);
+        let m = evaluate(&images.unwrap(), &["cat".into(), "dog".into()]);
+        // cat: precision 1 up to recall 0.5, then 2/3 up to recall 1 (the boxes match
+        // exactly, so at every IoU threshold): 51 of COCO's 101 recall points at 1, 50 at
+        // 2/3; dog: 1
+        let cat = (51.0 + 50.0 * 2.0 / 3.0) / 101.0;
+        let want = (cat + 1.0) / 2.0;
+        assert!(
+            (m.AP - want).abs() < 1e-9 && (m.AP50 - want).abs() < 1e-9,
+            "{m:?}"
+        );
+    }
+
+    #[test]
+    fn bad_entries_are_errors_naming_the_file_entry_and_value() {
+        let det = |v: Value| json!([v]);
+        let ok = json!({"image_id": 10, "category_id": 1, "bbox": [0, 0, 5, 5], "score": 0.5});
+        let with = |key: &str, value: Value| {
+            let mut d = ok.clone();
+            d[key] = value;
+            d
+        };
+        for (annotation, detection, want) in [
+            (
+                None,
+                with("category_id", json!(3)),
+                "dt.json: detections[0]: `category_id` 3 is not one of the categories (1..=2)",
+            ),
+            (
+                None,
+                with("bbox", json!([0, 0, -4, 5])),
+                "dt.json: detections[0]: `bbox` [0,0,-4,5] must be finite",
+            ),
+            (
+                None,
+                with("image_id", json!(30)),
+                "dt.json: detections[0]: `image_id` 30 is not one of the images",
+            ),
+            (
+                None,
+                with("score", json!(1e300)),
+                "dt.json: detections[0]: `score` 1e+300 is not a finite number",
+            ),
+            (
+                Some(with("category_id", json!(0))),
+                ok.clone(),
+                "gt.json: annotations[3]: `category_id` 0 is not one",
+            ),
+            (
+                Some(with("bbox", json!([1, 2, 3, -1]))),
+                ok.clone(),
+                "gt.json: annotations[3]: `bbox` [1,2,3,-1] must be finite",
+            ),
+        ] {
+            let (_dir, read) = files(annotation, det(detection));
+            let err = format!("{:#}", read.unwrap_err());
+            assert!(err.contains(want), "{want}\n{err}");
+        }
+    }
 }

@@ -1,5 +1,7 @@
 //! Running a network over an evaluation set: detections paired with the ground truth.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use anyhow::Result;
 use burn::tensor::{Tensor, TensorData};
 use data::DetectionExample;
@@ -23,6 +25,7 @@ pub struct DatasetRun {
 
 /// Detects on the first `max_images` records (0: all) and pairs the results with the ground
 /// truth, both in pixels of the original images; keeps the first `keep_images` images.
+/// `None` when `stop` is set before the last batch.
 pub fn run_on_dataset<B: SsdBackend>(
     net: &Ssd<B>,
     config: &SsdConfig,
@@ -30,7 +33,8 @@ pub fn run_on_dataset<B: SsdBackend>(
     (max_images, batch_size): (usize, usize),
     keep_images: usize,
     device: &B::Device,
-) -> Result<DatasetRun> {
+    stop: &AtomicBool,
+) -> Result<Option<DatasetRun>> {
     let anchors = model::ssd::anchors(config);
     let count = match max_images {
         0 => index.len(),
@@ -42,6 +46,9 @@ pub fn run_on_dataset<B: SsdBackend>(
         images: Vec::new(),
     };
     for start in (0..count).step_by(batch_size.max(1)) {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         let end = (start + batch_size.max(1)).min(count);
         let mut input = Vec::with_capacity((end - start) * 3 * h * w);
         let mut truths = Vec::new();
@@ -71,7 +78,7 @@ pub fn run_on_dataset<B: SsdBackend>(
             });
         }
     }
-    Ok(run)
+    Ok(Some(run))
 }
 
 /// The ground truth of a record in pixels, with the image's height and width.

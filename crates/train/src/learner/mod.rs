@@ -10,6 +10,7 @@
 mod batches;
 mod checkpointing;
 mod evaluation;
+mod lock;
 mod pool;
 mod replica;
 mod run_log;
@@ -28,6 +29,7 @@ use model::ops::SsdBackend;
 
 use self::batches::Batches;
 use self::checkpointing::{RunState, Saved};
+pub use self::lock::{LOCK_FILE, ModelDirLock};
 use self::pool::{Blueprint, ReplicaPool, StepCommand};
 pub use self::replica::LossValues;
 use self::run_log::{RunLog, StepRecord};
@@ -42,7 +44,8 @@ use crate::sync::{Bucketing, Cluster, GradientSync, InProcessAllReduce, TcpExcha
 pub struct RunOptions {
     /// Checkpoints, metrics and evaluations go here; an existing checkpoint is resumed.
     pub model_dir: PathBuf,
-    /// Set (e.g. by Ctrl-C) to checkpoint and stop after the current step.
+    /// Set (by SIGINT, SIGTERM or SIGUSR1 in `train`) to checkpoint and stop after the
+    /// current step; an evaluation under way is abandoned.
     pub stop: Arc<AtomicBool>,
     /// Print progress lines.
     pub verbose: bool,
@@ -77,7 +80,15 @@ pub struct RunSummary {
     pub metrics: Option<Metrics>,
     /// The last checkpoint.
     pub checkpoint: Option<PathBuf>,
+    /// A stop request ended the run before `num_steps` (its checkpoint written).
+    pub stopped: bool,
 }
+
+/// `train`'s exit status when a stop request ended the run before `num_steps` with its
+/// checkpoint written: EX_TEMPFAIL of sysexits.h, "try again", so a requeue script can tell it
+/// from success (0) and from failure (1). A second request ends the process at once with
+/// 128 + the signal's number, as a shell reports death by that signal.
+pub const STOPPED_EXIT_STATUS: u8 = 75;
 
 /// Trains `config` on `devices` (one replica each; repeat a device for several replicas).
 pub fn train<B: SsdBackend>(
@@ -88,6 +99,11 @@ pub fn train<B: SsdBackend>(
     let shape = RunShape::of(devices.len(), options.cluster.as_ref(), config)?;
     std::fs::create_dir_all(&options.model_dir)
         .with_context(|| format!("creating {}", options.model_dir.display()))?;
+    // held to the end of the run: one writer per model dir
+    let _lock = match shape.leader() {
+        true => Some(ModelDirLock::acquire(&options.model_dir)?),
+        false => None,
+    };
     let log = RunLog::open(&options.model_dir, shape.leader(), options.verbose)?;
     let (index, eval_index) = record_indexes(config)?;
     log.say(format!(
@@ -365,7 +381,7 @@ impl<'a, B: SsdBackend> Run<'a, B> {
         while self.progress.step < train.num_steps && !self.progress.stopping {
             self.step()?;
             let step = self.progress.step;
-            if self.logs(step) {
+            if self.logs(step) || self.progress.stopping {
                 self.log_step()?;
             }
             if self.checkpoints(step) {
@@ -497,17 +513,27 @@ impl<'a, B: SsdBackend> Run<'a, B> {
     }
 
     /// Evaluates the last checkpoint (its EMA weights when present) where there is
-    /// evaluation data (on the leader), and records the metrics.
+    /// evaluation data (on the leader), and records the metrics. A stop request abandons the
+    /// evaluation: the checkpoint it would score is written, and the stop must come within
+    /// a scheduler's grace period.
     fn evaluate(&mut self) -> Result<()> {
         self.latest.evaluated_step = Some(self.progress.step);
         let (Some(index), Some(saved)) = (&self.eval_index, &self.latest.saved) else {
             self.latest.metrics = None;
             return Ok(());
         };
-        let (metrics, drawn) =
-            evaluation::evaluate_net(saved.evaluated(), self.config, index, &self.devices[0])?;
-        self.log.evaluation(saved.step, &metrics, &drawn)?;
-        self.latest.metrics = Some(metrics);
+        let net = saved.evaluated();
+        let stop = &self.options.stop;
+        match evaluation::evaluate_net(net, self.config, index, &self.devices[0], stop)? {
+            Some((metrics, drawn)) => {
+                self.log.evaluation(saved.step, &metrics, &drawn)?;
+                self.latest.metrics = Some(metrics);
+            }
+            None => self.log.say(format!(
+                "evaluation of step {} abandoned: stop requested",
+                saved.step
+            )),
+        }
         Ok(())
     }
 
@@ -519,6 +545,7 @@ impl<'a, B: SsdBackend> Run<'a, B> {
         if trained && self.latest.snapshot_step != Some(step) {
             self.checkpoint()?;
         }
+        let stopped = self.progress.stopping && step < self.config.train.num_steps;
         if trained && self.latest.evaluated_step != Some(step) && !self.progress.stopping {
             self.evaluate()?;
         }
@@ -540,6 +567,7 @@ impl<'a, B: SsdBackend> Run<'a, B> {
             seconds,
             metrics: self.latest.metrics,
             checkpoint: self.latest.saved.map(|s| s.dir),
+            stopped,
         })
     }
 }
@@ -547,10 +575,15 @@ impl<'a, B: SsdBackend> Run<'a, B> {
 /// The run's charts from its metrics log; a failure is only reported (the run succeeded).
 fn write_charts(log: &RunLog, dir: &std::path::Path) {
     match crate::report::charts::write_charts(dir) {
-        Ok(_) => log.say(format!(
-            "charts: loss.png, learning_rate.png, eval.png in {}",
-            dir.display()
-        )),
+        Ok(charts) => {
+            log.say(format!(
+                "charts: loss.png, learning_rate.png, eval.png in {}",
+                dir.display()
+            ));
+            if let Some(note) = charts.note() {
+                log.say(note);
+            }
+        }
         Err(e) => log.say(format!("warning: no charts: {e:#}")),
     }
 }

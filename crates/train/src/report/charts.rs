@@ -43,8 +43,22 @@ const RAW_OPACITY: f64 = 0.3;
 /// The family name the bundled font is registered under.
 const FONT: &str = "sans-serif";
 
-/// Reads `metrics.jsonl` into the chart series: loss parts, learning rate, evaluation.
-fn read_series(metrics: &Path) -> Result<[Vec<Series>; 3]> {
+/// The largest step or value drawn. No loss, rate or metric worth a chart is larger, and
+/// ranges near the limits of `f64` overflow the axis computations.
+const PLOTTABLE: f64 = 1e15;
+
+/// Adds `(step, value)` to `series` when both can be drawn; otherwise counts it in `skipped`.
+fn add(series: &mut Series, (step, value): (f64, Option<f64>), skipped: &mut usize) {
+    match value {
+        Some(y) if step.abs() <= PLOTTABLE && y.abs() <= PLOTTABLE => series.points.push((step, y)),
+        Some(_) => *skipped += 1,
+        None => {}
+    }
+}
+
+/// Reads `metrics.jsonl` into the chart series (loss parts, learning rate, evaluation), with
+/// the count of values left out for being too large to draw.
+fn read_series(metrics: &Path) -> Result<([Vec<Series>; 3], usize)> {
     let text = std::fs::read_to_string(metrics)
         .with_context(|| format!("reading {}", metrics.display()))?;
     let mut loss =
@@ -65,6 +79,7 @@ fn read_series(metrics: &Path) -> Result<[Vec<Series>; 3]> {
         name,
         points: Vec::new(),
     });
+    let mut skipped = 0;
     for (i, l) in text.lines().enumerate() {
         let v: serde_json::Value = serde_json::from_str(l)
             .with_context(|| format!("{} line {}: not JSON", metrics.display(), i + 1))?;
@@ -72,20 +87,14 @@ fn read_series(metrics: &Path) -> Result<[Vec<Series>; 3]> {
             continue;
         };
         for s in &mut loss {
-            if let Some(x) = v["loss"][s.name].as_f64() {
-                s.points.push((step, x));
-            }
+            add(s, (step, v["loss"][s.name].as_f64()), &mut skipped);
         }
-        if let Some(x) = v["learning_rate"].as_f64() {
-            lr.points.push((step, x));
-        }
+        add(&mut lr, (step, v["learning_rate"].as_f64()), &mut skipped);
         for (s, key) in eval.iter_mut().zip(["voc_mAP", "AP", "AP50"]) {
-            if let Some(x) = v["eval"][key].as_f64() {
-                s.points.push((step, x));
-            }
+            add(s, (step, v["eval"][key].as_f64()), &mut skipped);
         }
     }
-    Ok([loss.into(), vec![lr], eval.into()])
+    Ok(([loss.into(), vec![lr], eval.into()], skipped))
 }
 
 /// `points` smoothed exponentially with `weight`, debiased so the first values are not
@@ -212,10 +221,31 @@ fn draw_series(chart: &mut Chart, s: &Series, colour: RGBColor, spec: &ChartSpec
     Ok(())
 }
 
+/// The charts written.
+#[derive(Debug)]
+pub struct Charts {
+    /// `loss.png`, `learning_rate.png` and `eval.png`.
+    pub files: Vec<PathBuf>,
+    /// Values of the log left out, being larger than [`PLOTTABLE`] (a diverging run's).
+    pub skipped: usize,
+}
+
+impl Charts {
+    /// What a user should know beside the files: the values left out, if any.
+    pub fn note(&self) -> Option<String> {
+        (self.skipped > 0).then(|| {
+            format!(
+                "{} values of metrics.jsonl are beyond {PLOTTABLE:e} in size and left out of the charts",
+                self.skipped
+            )
+        })
+    }
+}
+
 /// Writes `loss.png`, `learning_rate.png` and `eval.png` into `model_dir` from its
-/// `metrics.jsonl`; returns their paths.
-pub fn write_charts(model_dir: &Path) -> Result<Vec<PathBuf>> {
-    let [loss, lr, eval] = read_series(&model_dir.join("metrics.jsonl"))?;
+/// `metrics.jsonl`.
+pub fn write_charts(model_dir: &Path) -> Result<Charts> {
+    let ([loss, lr, eval], skipped) = read_series(&model_dir.join("metrics.jsonl"))?;
     let specs = [
         (
             "loss.png",
@@ -261,7 +291,10 @@ pub fn write_charts(model_dir: &Path) -> Result<Vec<PathBuf>> {
             .with_context(|| format!("writing {}", path.display()))?;
         written.push(path);
     }
-    Ok(written)
+    Ok(Charts {
+        files: written,
+        skipped,
+    })
 }
 
 #[cfg(test)]
@@ -295,7 +328,7 @@ mod tests {
             r#"{"step":30,"eval":{"voc_mAP":0.5,"AP":0.2,"AP50":0.5}}"#,
         ];
         std::fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
-        let files = write_charts(dir.path()).unwrap();
+        let files = write_charts(dir.path()).unwrap().files;
         let names: Vec<_> = files
             .iter()
             .map(|f| f.file_name().unwrap().to_owned())
@@ -319,6 +352,19 @@ mod tests {
         let eval = image::open(&files[2]).unwrap().to_rgb8();
         let marker = eval.pixels().filter(|p| **p == solid[0]).count();
         assert!(marker >= 20, "{marker} marker pixels");
+        // values no axis can hold are left out and counted, not drawn for ever
+        let mut extreme = lines.to_vec();
+        extreme.push(r#"{"step":40,"loss":{"total":1e300,"classification":-1.7e308,"localization":1e16,"regularization":0.1},"learning_rate":1e308}"#);
+        extreme.push(r#"{"step":1e300,"loss":{"total":1.0}}"#);
+        std::fs::write(dir.path().join("metrics.jsonl"), extreme.join("\n")).unwrap();
+        let charts = write_charts(dir.path()).unwrap();
+        assert_eq!(charts.skipped, 5);
+        assert!(
+            charts
+                .note()
+                .unwrap()
+                .starts_with("5 values of metrics.jsonl are beyond 1e15")
+        );
         // a malformed line is an error naming the file and line
         std::fs::write(dir.path().join("metrics.jsonl"), "{\"step\": 1}\nnot json").unwrap();
         let err = write_charts(dir.path()).unwrap_err();

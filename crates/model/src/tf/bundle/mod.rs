@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use prost::Message;
 
 use crate::error::{ModelError, Result};
+use crate::floats::{FloatEncoding, chunks};
 use proto::{BundleEntry, BundleHeader};
 
 const MASK_DELTA: u32 = 0xa282_ead8;
@@ -283,11 +284,11 @@ impl Checkpoint {
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>> {
         let bytes = self.read_bytes(name)?;
         let dtype = self.entries[name].info.dtype;
-        let v = match dtype {
-            DType::F32 => chunks(&bytes, f32::from_le_bytes),
-            DType::F64 => chunks(&bytes, |b: [u8; 8]| f64::from_le_bytes(b) as f32),
-            DType::F16 => chunks(&bytes, |b| half::f16::from_le_bytes(b).to_f32()),
-            DType::BF16 => chunks(&bytes, |b| half::bf16::from_le_bytes(b).to_f32()),
+        let encoding = match dtype {
+            DType::F32 => FloatEncoding::F32,
+            DType::F64 => FloatEncoding::F64,
+            DType::F16 => FloatEncoding::F16,
+            DType::BF16 => FloatEncoding::BF16,
             other => {
                 return Err(ModelError::Checkpoint {
                     path: self.prefix.clone(),
@@ -295,7 +296,7 @@ impl Checkpoint {
                 });
             }
         };
-        Ok(v)
+        Ok(encoding.decode(&bytes))
     }
 
     /// An integer or boolean tensor as `i64`.
@@ -320,13 +321,6 @@ impl Checkpoint {
         };
         Ok(v)
     }
-}
-
-fn chunks<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
-    bytes
-        .chunks_exact(N)
-        .map(|c| f(c.try_into().expect("chunks_exact gives N bytes")))
-        .collect()
 }
 
 fn read_range(path: &Path, offset: u64, size: usize) -> std::result::Result<Vec<u8>, String> {

@@ -149,12 +149,27 @@ fn read_inputs(
     (data, label_maps.into_iter().next())
 }
 
-/// Class names from the label map, or a note saying why they stay `class_<id>`.
+/// Class names from the label map, each id in its own place, with a note for ids without an
+/// item; a note saying why they stay `class_<id>` when the file cannot be read (a template's
+/// placeholder path). A label map that is there but wrong is an error.
 fn read_class_names(path: &str, model: &mut SsdConfig, report: &mut Report) {
-    match data::LabelMap::load(Path::new(path)) {
-        Ok(map) => model.class_names = map.names(),
-        Err(e) => report.notes.push(format!(
-            "label map {path} not read ({e}); class names stay `class_<id>`"
-        )),
+    let map = match data::LabelMap::load(Path::new(path)) {
+        Ok(map) => map,
+        Err(e @ data::DataError::Io { .. }) => {
+            let note = format!("label map {path} not read ({e}); class names stay `class_<id>`");
+            return report.notes.push(note);
+        }
+        Err(e) => return report.errors.push(format!("label map: {e}")),
+    };
+    match map.names_by_id(model.num_classes) {
+        Ok((names, missing)) => {
+            model.class_names = names;
+            if !missing.is_empty() {
+                report.notes.push(format!(
+                    "label map {path} has no item for ids {missing:?}: those classes keep their places (class id = label-map id, as in the Object Detection API) and are named `class_<id>`"
+                ));
+            }
+        }
+        Err(e) => report.errors.push(format!("label map {path}: {e}")),
     }
 }

@@ -74,6 +74,16 @@ impl<'a> Section<'a> {
     ) -> T {
         match self.scalar(name, report) {
             None => default,
+            // every number this crate reads is an f32 or an integer: none is infinite
+            Some((Scalar::Number(n), at))
+                if n.parse::<f64>()
+                    .is_ok_and(|v| v.is_nan() || v.abs() > f64::from(f32::MAX)) =>
+            {
+                report
+                    .errors
+                    .push(format!("{at}: `{n}` is not a finite number"));
+                default
+            }
             Some((Scalar::Number(n), at)) => n.parse().unwrap_or_else(|_| {
                 report
                     .errors
