@@ -33,7 +33,8 @@ pub fn decode_image(bytes: &[u8]) -> Result<(DynamicImage, ImageFormat), String>
     let mut limits = Limits::default();
     limits.max_image_width = Some(MAX_IMAGE_SIDE);
     limits.max_image_height = Some(MAX_IMAGE_SIDE);
-    limits.max_alloc = Some(4 * MAX_IMAGE_PIXELS);
+    // the largest image allowed, at the widest pixels the decoders make (RGBA, 16 bits)
+    limits.max_alloc = Some(8 * MAX_IMAGE_PIXELS);
     reader.limits(limits);
     let image = reader.decode().map_err(|e| e.to_string())?;
     Ok((image, format))

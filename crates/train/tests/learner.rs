@@ -618,7 +618,10 @@ fn two_nodes_equal_one_node_with_all_replicas_a_stranger_cannot_join_and_a_lost_
         log
     };
     let (log0, log1) = (stopped_on_request(rank0), stopped_on_request(rank1));
-    assert!(log1.contains("SIGINT: stopping after this step"), "{log1}");
+    assert!(
+        log1.contains("SIGINT: stopping at the end of the step"),
+        "{log1}"
+    );
     let state =
         train::checkpoint::read_state(&train::checkpoint::latest(&stopped).unwrap().unwrap())
             .unwrap();
@@ -749,7 +752,10 @@ fn sigterm_checkpoints_and_resumes_exactly_and_a_second_run_on_the_dir_is_refuse
     let log = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(STOPPED_EXIT_STATUS.into()), "{log}");
     assert!(waited.as_secs() < 30, "exit {waited:?} after SIGTERM");
-    assert!(log.contains("SIGTERM: stopping after this step"), "{log}");
+    assert!(
+        log.contains("SIGTERM: stopping at the end of the step"),
+        "{log}"
+    );
     let checkpoint = train::checkpoint::latest(&stopped).unwrap().unwrap();
     let step = train::checkpoint::read_state(&checkpoint).unwrap().step;
     assert!(step >= 15 && log.contains(&format!("stopped on request at step {step} of ")));

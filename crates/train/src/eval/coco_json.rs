@@ -17,10 +17,11 @@ fn bbox_from(v: &Value, entry: &str) -> Result<BBox> {
         .filter(|a| a.len() == 4)
         .and_then(|a| a.iter().map(|x| x.as_f64().map(|f| f as f32)).collect())
         .with_context(|| format!("{entry}: `bbox` must be [x, y, width, height], not {v}"))?;
-    if a.iter().any(|x| !x.is_finite()) || a[2] < 0.0 || a[3] < 0.0 {
+    let (ymax, xmax) = (a[1] + a[3], a[0] + a[2]);
+    if [ymax, xmax].iter().chain(&a).any(|x| !x.is_finite()) || a[2] < 0.0 || a[3] < 0.0 {
         bail!("{entry}: `bbox` {v} must be finite with a width and height of at least 0");
     }
-    Ok(BBox::new(a[1], a[0], a[1] + a[3], a[0] + a[2]))
+    Ok(BBox::new(a[1], a[0], ymax, xmax))
 }
 
 /// The `category_id` of `entry`, one of the `num_classes` categories.
@@ -194,6 +195,13 @@ mod tests {
     }
 
     #[test]
+    fn an_image_id_twice_is_an_error() {
+        let gt = json!({"images": [{"id": 4}, {"id": 5}, {"id": 4}]});
+        let err = read_images(&gt).unwrap_err().to_string();
+        assert_eq!(err, "images[2]: image id 4 appears twice");
+    }
+
+    #[test]
     fn scores_coco_files_as_worked_out_by_hand() {
         let detections = json!([
             {"image_id": 10, "category_id": 1, "bbox": [10, 20, 100, 80], "score": 0.9},
@@ -234,6 +242,12 @@ mod tests {
                 None,
                 with("bbox", json!([0, 0, -4, 5])),
                 "dt.json: detections[0]: `bbox` [0,0,-4,5] must be finite",
+            ),
+            // finite corners whose sum is not
+            (
+                None,
+                with("bbox", json!([3e38, 0, 3e38, 5])),
+                "dt.json: detections[0]: `bbox` [3e+38,0,3e+38,5] must be finite",
             ),
             (
                 None,

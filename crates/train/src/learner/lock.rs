@@ -46,9 +46,10 @@ impl ModelDirLock {
             }
         }
         // the holder's details are for people; the lock itself is the kernel's
-        file.set_len(0)?;
-        writeln!(file, "{}", describe_this_process())?;
-        file.sync_all()?;
+        file.set_len(0)
+            .and_then(|()| writeln!(file, "{}", describe_this_process()))
+            .and_then(|()| file.sync_all())
+            .with_context(|| format!("writing {}", path.display()))?;
         Ok(Self { _file: file })
     }
 }

@@ -285,8 +285,9 @@ struct Progress {
     first_step: u64,
     position: Position,
     learning_rate: f64,
-    /// A stop request (Ctrl-C on any machine) travels with a step's exchange, so every
-    /// machine stops after the same step.
+    /// A stop request (a signal on any machine) travels with a step's exchange, so every
+    /// machine stops after the same step, and that step reads its loss back, so the
+    /// checkpoint written at the stop holds a checked step.
     stopping: bool,
 }
 
@@ -377,6 +378,8 @@ impl<'a, B: SsdBackend> Run<'a, B> {
     /// Steps until `num_steps` or a stop request, logging, checkpointing and evaluating on
     /// the configured steps.
     fn train(&mut self) -> Result<()> {
+        // a request during the start-up: nothing trained, nothing to write
+        self.progress.stopping |= self.stop_here();
         let train = &self.config.train;
         while self.progress.step < train.num_steps && !self.progress.stopping {
             self.step()?;
@@ -392,6 +395,12 @@ impl<'a, B: SsdBackend> Run<'a, B> {
             }
         }
         Ok(())
+    }
+
+    /// A stop request on this machine that can be acted on at once: in a run of this machine
+    /// alone, between steps (a multi-node run waits for the request to travel with a step).
+    fn stop_here(&self) -> bool {
+        self.options.cluster.is_none() && self.options.stop.load(Ordering::Relaxed)
     }
 
     fn logs(&self, step: u64) -> bool {
@@ -529,10 +538,15 @@ impl<'a, B: SsdBackend> Run<'a, B> {
                 self.log.evaluation(saved.step, &metrics, &drawn)?;
                 self.latest.metrics = Some(metrics);
             }
-            None => self.log.say(format!(
-                "evaluation of step {} abandoned: stop requested",
-                saved.step
-            )),
+            None => {
+                self.log.say(format!(
+                    "evaluation of step {} abandoned: stop requested",
+                    saved.step
+                ));
+                self.latest.metrics = None;
+                // its checkpoint is written: alone, the run stops here
+                self.progress.stopping |= self.stop_here();
+            }
         }
         Ok(())
     }

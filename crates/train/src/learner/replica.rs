@@ -62,7 +62,7 @@ pub(super) enum Command {
         batch: Batch,
         learning_rate: f64,
         step: u64,
-        /// This process was asked to stop (Ctrl-C) after this step.
+        /// This process was asked to stop (a signal) after this step.
         stop: bool,
         /// Read the loss back from the device (a logging, checkpoint or last step, or every
         /// step of a multi-node run, whose stop requests travel with it).
