@@ -6,7 +6,7 @@
 
 use std::io::Cursor;
 
-use image::{DynamicImage, ImageFormat, ImageReader, Limits};
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits};
 
 /// The widest or tallest image decoded, in pixels. Datasets' photos are far smaller (Oxford-IIIT
 /// Pet's widest is about 2,600 pixels); a header of a few bytes can claim billions of pixels,
@@ -24,19 +24,20 @@ pub fn decode_image(bytes: &[u8]) -> Result<(DynamicImage, ImageFormat), String>
         ImageFormat::Png => check_png_complete(bytes)?,
         _ => {}
     }
-    let (width, height) = ImageReader::with_format(Cursor::new(bytes), format)
-        .into_dimensions()
+    // one reading of the header: its size is checked before any pixel is allocated
+    let mut decoder = ImageReader::with_format(Cursor::new(bytes), format)
+        .into_decoder()
         .map_err(|e| e.to_string())?;
+    let (width, height) = decoder.dimensions();
     check_size(width, height)?;
-    let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
     // the decoder's own guard, for what the first header does not tell (a GIF's frames)
     let mut limits = Limits::default();
     limits.max_image_width = Some(MAX_IMAGE_SIDE);
     limits.max_image_height = Some(MAX_IMAGE_SIDE);
     // the largest image allowed, at the widest pixels the decoders make (RGBA, 16 bits)
     limits.max_alloc = Some(8 * MAX_IMAGE_PIXELS);
-    reader.limits(limits);
-    let image = reader.decode().map_err(|e| e.to_string())?;
+    decoder.set_limits(limits).map_err(|e| e.to_string())?;
+    let image = DynamicImage::from_decoder(decoder).map_err(|e| e.to_string())?;
     Ok((image, format))
 }
 

@@ -82,6 +82,43 @@ fn image_of(v: &Value, entry: &str, slot: &HashMap<u64, usize>) -> Result<usize>
         .with_context(|| format!("{entry}: `image_id` {id} is not one of the images"))
 }
 
+/// The image place and box of ground-truth annotation `a`.
+fn ground_truth_box(
+    a: &Value,
+    entry: &str,
+    slot: &HashMap<u64, usize>,
+    num_classes: usize,
+) -> Result<(usize, GtBox)> {
+    let image = image_of(a, entry, slot)?;
+    let truth = GtBox {
+        bbox: bbox_from(&a["bbox"], entry)?,
+        class_id: category_of(a, entry, num_classes)?,
+        difficult: false,
+    };
+    Ok((image, truth))
+}
+
+/// The image place and box of detection `d`, its score finite.
+fn detection_box(
+    d: &Value,
+    entry: &str,
+    slot: &HashMap<u64, usize>,
+    num_classes: usize,
+) -> Result<(usize, DetBox)> {
+    let image = image_of(d, entry, slot)?;
+    let score = d["score"]
+        .as_f64()
+        .map(|s| s as f32)
+        .filter(|s| s.is_finite());
+    let found = DetBox {
+        bbox: bbox_from(&d["bbox"], entry)?,
+        class_id: category_of(d, entry, num_classes)?,
+        score: score
+            .with_context(|| format!("{entry}: `score` {} is not a finite number", d["score"]))?,
+    };
+    Ok((image, found))
+}
+
 /// Reads COCO ground truth (`images`, `annotations`, `categories`) and COCO-format results
 /// (`[{image_id, category_id, bbox, score}]`). Returns the images and the class names by id
 /// (ids must be 1..=N). Every entry is checked as training data is: a known image and
@@ -110,21 +147,8 @@ pub fn read_coco(
         if a["iscrowd"].as_u64() == Some(1) {
             bail!("{}: {entry}: crowd annotations are not supported", in_gt());
         }
-        let truth = (|| -> Result<(usize, GtBox)> {
-            let image = image_of(a, &entry, &slot)?;
-            let bbox = bbox_from(&a["bbox"], &entry)?;
-            let class_id = category_of(a, &entry, names.len())?;
-            Ok((
-                image,
-                GtBox {
-                    bbox,
-                    class_id,
-                    difficult: false,
-                },
-            ))
-        })()
-        .with_context(in_gt)?;
-        images[truth.0].ground_truth.push(truth.1);
+        let (image, truth) = ground_truth_box(a, &entry, &slot, names.len()).with_context(in_gt)?;
+        images[image].ground_truth.push(truth);
     }
     let in_dt = || detections.display().to_string();
     let list = dt
@@ -133,28 +157,8 @@ pub fn read_coco(
         .with_context(in_dt)?;
     for (i, d) in list.iter().enumerate() {
         let entry = format!("detections[{i}]");
-        let found = (|| -> Result<(usize, DetBox)> {
-            let image = image_of(d, &entry, &slot)?;
-            let bbox = bbox_from(&d["bbox"], &entry)?;
-            let class_id = category_of(d, &entry, names.len())?;
-            let score = d["score"]
-                .as_f64()
-                .map(|s| s as f32)
-                .filter(|s| s.is_finite());
-            let score = score.with_context(|| {
-                format!("{entry}: `score` {} is not a finite number", d["score"])
-            })?;
-            Ok((
-                image,
-                DetBox {
-                    bbox,
-                    class_id,
-                    score,
-                },
-            ))
-        })()
-        .with_context(in_dt)?;
-        images[found.0].detections.push(found.1);
+        let (image, found) = detection_box(d, &entry, &slot, names.len()).with_context(in_dt)?;
+        images[image].detections.push(found);
     }
     Ok((images, names))
 }
