@@ -176,11 +176,11 @@ impl<B: SsdBackend> ReplicaPool<B> {
             }
         }
         let mut out: Vec<Option<Reply<B>>> = (0..self.len()).map(|_| None).collect();
-        for _ in 0..self.len() {
+        for answered in 0..self.len() {
             let (i, r) = self.replies.recv().context("a replica thread ended")?;
             match r {
                 Ok(r) => out[i] = Some(r),
-                Err(why) => bail!("replica {i} on {} failed: {why}", self.device_name(i)),
+                Err(why) => return Err(self.cause(i, why, self.len() - answered - 1)),
             }
         }
         Ok(out
@@ -188,7 +188,28 @@ impl<B: SsdBackend> ReplicaPool<B> {
             .map(|r| r.expect("every replica replied"))
             .collect())
     }
+
+    /// The error of a command that replica `i` failed with `why`, `pending` replies still
+    /// to come. A failing replica aborts the exchange with its reason, so the others fail
+    /// too, each with a report that holds the first one's: the shortest report among those
+    /// that arrive within a few seconds is the cause, and it names the replica and device
+    /// where it happened.
+    fn cause(&self, i: usize, why: String, pending: usize) -> anyhow::Error {
+        let mut cause = (i, why);
+        for _ in 0..pending {
+            match self.replies.recv_timeout(CAUSE_WAIT) {
+                Ok((j, Err(other))) if other.len() < cause.1.len() => cause = (j, other),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let (i, why) = cause;
+        anyhow::anyhow!("replica {i} on {} failed: {why}", self.device_name(i))
+    }
 }
+
+/// How long the pool waits for the other replicas' reports once one failed.
+const CAUSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Replica `i` on `device`. Every replica is decoded afresh from the same bytes: the same
 /// weights and parameter ids, but its own autodiff leaves and BatchNorm running state
@@ -230,4 +251,189 @@ fn build_replica<B: SsdBackend>(
         sync: blueprint.sync.clone(),
         bucketing: blueprint.bucketing,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::{Tensor, TensorData};
+    use data::loader::Position;
+    use model::targets::GroundTruth;
+
+    use crate::sync::{InProcessAllReduce, Mean, Transfer};
+
+    /// What goes wrong in [`Faulty`], on its replica only.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Fault {
+        /// The replica panics in the exchange (as a kernel that runs out of memory does).
+        Panic,
+        /// The replica receives its first bucket's mean negated: its update differs.
+        Negate,
+    }
+
+    thread_local! {
+        /// This thread's replica panicked in [`Faulty`].
+        static PANICKED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// The in-process exchange with a fault injected on one replica.
+    struct Faulty {
+        inner: InProcessAllReduce<Flex>,
+        fault: Option<(usize, Fault)>,
+    }
+
+    impl GradientSync<Flex> for Faulty {
+        fn all_reduce_mean(
+            &self,
+            replica: usize,
+            buckets: Vec<Tensor<Flex, 1>>,
+            norm_before_tail: Option<usize>,
+        ) -> Result<Mean<Flex>, String> {
+            if self.fault == Some((replica, Fault::Panic)) {
+                PANICKED.set(true);
+                panic!("injected out-of-memory");
+            }
+            let mut mean = self
+                .inner
+                .all_reduce_mean(replica, buckets, norm_before_tail)?;
+            if self.fault == Some((replica, Fault::Negate)) {
+                mean.buckets[0] = -mean.buckets[0].clone();
+            }
+            Ok(mean)
+        }
+
+        fn single_replica(&self) -> bool {
+            false
+        }
+
+        /// Called by a failing replica before it reports. The one that panicked reports late
+        /// here, as a device thread that takes its time to unwind does, so that the replica
+        /// released by the abort reports first.
+        fn abort(&self, reason: String) {
+            self.inner.abort(reason);
+            if PANICKED.get() {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
+        }
+    }
+
+    fn config() -> TrainConfig {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/synthetic.json");
+        let mut config = TrainConfig::load(&path).unwrap();
+        config.model.image_size = [64, 64];
+        config.model.depth_multiplier = 0.25;
+        config
+    }
+
+    fn device() -> <Flex as burn::tensor::backend::BackendTypes>::Device {
+        Default::default()
+    }
+
+    fn start(config: &TrainConfig) -> Start<Flex> {
+        Start {
+            model: config.model.init::<Train<Flex>>(7, &device()).unwrap(),
+            optimizer: None,
+            ema: None,
+            step: 0,
+            position: Position::default(),
+        }
+    }
+
+    /// Two replicas on the CPU from `start`, exchanging through `fault`'s [`Faulty`].
+    fn pool(
+        config: &Arc<TrainConfig>,
+        start: &Start<Flex>,
+        fault: Option<(usize, Fault)>,
+    ) -> ReplicaPool<Flex> {
+        let device = device();
+        let sync: Arc<dyn GradientSync<Flex>> = Arc::new(Faulty {
+            inner: InProcessAllReduce::new(2, Transfer::SameDevice),
+            fault,
+        });
+        let blueprint = Blueprint {
+            config,
+            start,
+            anchors: &Arc::new(model::ssd::anchors(&config.model)),
+            sync: &sync,
+            bucketing: Bucketing::for_replicas(&[device.clone(), device.clone()], false),
+        };
+        ReplicaPool::start(&[device.clone(), device], &blueprint).unwrap()
+    }
+
+    /// One image per replica, each with one object.
+    fn parts(config: &TrainConfig) -> Vec<Batch> {
+        let [h, w] = config.model.image_size;
+        (0..2)
+            .map(|i| Batch {
+                images: (0..3 * h * w)
+                    .map(|p| ((p * 7 + i * 13) % 255) as f32 / 127.5 - 1.0)
+                    .collect(),
+                image_size: [h, w],
+                ground_truth: vec![vec![GroundTruth {
+                    bbox: BBox::new(0.2, 0.1 + 0.2 * i as f32, 0.7, 0.6 + 0.2 * i as f32),
+                    class_id: 1 + i,
+                }]],
+                records: vec![i],
+                sizes: vec![[h as u32, w as u32]],
+                next_position: Position::default(),
+            })
+            .collect()
+    }
+
+    fn step(pool: &ReplicaPool<Flex>, config: &TrainConfig, step: u64) -> Result<Stepped> {
+        let command = StepCommand {
+            learning_rate: 0.01,
+            step,
+            stop: false,
+            read_loss: true,
+        };
+        pool.step(parts(config), command)
+    }
+
+    /// A replica that fails ends the step with an error naming it and its device (not the
+    /// replica that the abort released), and the other replica is not left waiting.
+    #[test]
+    fn a_replica_that_fails_ends_the_step_naming_it_and_its_device() {
+        let config = Arc::new(config());
+        let pool = pool(&config, &start(&config), Some((1, Fault::Panic)));
+        let device = format!("{:?}", device());
+        let err = step(&pool, &config, 0).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!("replica 1 on {device} failed: injected out-of-memory")
+        );
+        pool.shut_down();
+    }
+
+    /// Replicas whose weights differ stop the run at the checkpoint's bit-identity check,
+    /// naming the replica, its device and the step; identical ones pass it.
+    #[test]
+    fn replicas_that_drift_apart_are_refused_at_the_checkpoint() {
+        let config = Arc::new(config());
+        // one start for both pools: the encoded weights carry the parameter ids
+        let start = start(&config);
+        let healthy = pool(&config, &start, None);
+        step(&healthy, &config, 0).unwrap();
+        // each replica's BatchNorm statistics are of its own images until averaged
+        healthy.average_bn_stats().unwrap();
+        let snapshot = healthy.snapshot(1).unwrap();
+        healthy.shut_down();
+        let drifting = pool(&config, &start, Some((1, Fault::Negate)));
+        step(&drifting, &config, 0).unwrap();
+        drifting.average_bn_stats().unwrap();
+        let err = drifting.snapshot(1).err().unwrap().to_string();
+        let device = format!("{:?}", device());
+        assert_eq!(
+            err,
+            format!("replica 1 on {device} diverged from replica 0 at step 1")
+        );
+        // the fault changed replica 1 only: replica 0 holds the healthy run's weights
+        let first = drifting.broadcast(&mut |_| Command::Snapshot).unwrap();
+        match &first[0] {
+            Reply::Snapshot(s) => assert!(s.weights == snapshot.weights),
+            _ => panic!("a snapshot"),
+        }
+        drifting.shut_down();
+    }
 }

@@ -362,8 +362,10 @@ impl<B: SsdBackend> Replica<B> {
             let result = catch_unwind(AssertUnwindSafe(|| self.handle(command)))
                 .unwrap_or_else(|e| Err(panic_message(e)));
             if let Err(why) = &result {
-                self.sync
-                    .abort(format!("replica {} failed: {why}", self.index));
+                self.sync.abort(format!(
+                    "replica {} on {:?} failed: {why}",
+                    self.index, self.device
+                ));
             }
             let failed = result.is_err();
             if replies.send((self.index, result)).is_err() || failed {
