@@ -274,7 +274,7 @@ pub(crate) fn quiet_run(model_dir: &Path, in_memory: bool) -> RunOptions {
         model_dir: model_dir.to_path_buf(),
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
-        cluster: None,
+        nodes: None,
         repeat_first_batch: in_memory,
     }
 }

@@ -417,15 +417,6 @@ fn faults_are_clear_errors() {
     assert!(err.contains("/nonexistent/train-*"), "{err}");
 }
 
-/// A free loopback port (with the next two also used by the nodes' tensor services).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `train` as a child process on `config` with extra arguments.
 fn train_process(config: &Path, model_dir: &Path, args: &[&str]) -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
@@ -440,73 +431,38 @@ fn train_process(config: &Path, model_dir: &Path, args: &[&str]) -> std::process
     cmd
 }
 
-/// The token the test's nodes share.
-const TOKEN: &str = "test-cluster-token-0123";
-
-/// Two nodes (processes) on loopback with two CPU replicas each; `meanwhile` runs between
-/// the start of rank 0 and that of rank 1, with rank 0's port.
-fn two_nodes_with(
-    config: &Path,
-    model_dirs: [&Path; 2],
-    extra: &[&str],
-    meanwhile: impl FnOnce(u16),
-) -> [std::process::Child; 2] {
-    let port = free_port();
-    let coordinator = format!("tcp://127.0.0.1:{port}");
-    let spawn = |rank: &str, model_dir: &Path| {
-        let mut args = vec![
-            "--devices",
-            "cpu:2",
-            "--nodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--coordinator",
-            &coordinator,
-            "--node-timeout",
-            "20",
-        ];
-        args.extend_from_slice(extra);
-        train_process(config, model_dir, &args)
-            .env(train::sync::TOKEN_ENV, TOKEN)
-            .spawn()
-            .unwrap()
-    };
-    let rank0 = spawn("0", model_dirs[0]);
-    meanwhile(port);
-    [rank0, spawn("1", model_dirs[1])]
+/// [`train_process`]'s program and arguments, for mpirun.
+#[cfg(feature = "mpi")]
+fn train_args(config: &Path, model_dir: &Path, args: &[&str]) -> Vec<String> {
+    let mut all: Vec<String> = vec![env!("CARGO_BIN_EXE_train").into(), "--config".into()];
+    all.push(config.display().to_string());
+    all.push("--model-dir".into());
+    all.push(model_dir.display().to_string());
+    all.push("--no-eval".into());
+    all.extend(args.iter().map(|a| a.to_string()));
+    all
 }
 
-fn two_nodes(config: &Path, model_dir: &Path, extra: &[&str]) -> [std::process::Child; 2] {
-    two_nodes_with(config, [model_dir; 2], extra, |_| ())
-}
-
-/// A stranger who knows the port but not the token connects to rank 0 first, claiming rank 1:
-/// it gets the challenge, answers with a made-up proof, and is dropped without a verdict.
-fn stranger_claims_rank_1(port: u16) {
-    use std::io::{Read, Write};
-    let started = std::time::Instant::now();
-    let mut stream = loop {
-        match std::net::TcpStream::connect(("127.0.0.1", port)) {
-            Ok(s) => break s,
-            Err(_) if started.elapsed().as_secs() < 60 => {
-                std::thread::sleep(std::time::Duration::from_millis(50))
-            }
-            Err(e) => panic!("rank 0 never listened: {e}"),
+/// Open MPI's `mpirun` on this machine, as root where the tests run as root, one process per
+/// `(count, train arguments)` group (MPMD: `-np 1 A : -np 1 B`), output captured.
+#[cfg(feature = "mpi")]
+fn mpirun(groups: &[(usize, Vec<String>)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new("mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ]);
+    for (i, (count, args)) in groups.iter().enumerate() {
+        if i > 0 {
+            cmd.arg(":");
         }
-    };
-    let mut len = [0u8; 4];
-    stream.read_exact(&mut len).unwrap();
-    let mut challenge = vec![0u8; u32::from_le_bytes(len) as usize];
-    stream.read_exact(&mut challenge).unwrap();
-    let hello = br#"{"rank":1,"nodes":2,"replicas":2,"run":"00","proof":"00"}"#;
-    stream
-        .write_all(&(hello.len() as u32).to_le_bytes())
-        .unwrap();
-    stream.write_all(hello).unwrap();
-    let mut verdict = Vec::new();
-    let _ = stream.read_to_end(&mut verdict);
-    assert!(verdict.is_empty(), "a stranger got an answer");
+        cmd.args(["-np", &count.to_string()]).args(args);
+    }
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    cmd
 }
 
 /// Waits until rank 0 has logged `steps` steps in `model_dir`.
@@ -527,9 +483,41 @@ fn finish(child: std::process::Child) -> (bool, String) {
     )
 }
 
+/// The exit status and standard error of a finished job.
+#[cfg(feature = "mpi")]
+fn finish_job(child: std::process::Child) -> (Option<i32>, String) {
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The processes whose parent is `parent` (mpirun's ranks), from /proc.
+#[cfg(feature = "mpi")]
+fn children(parent: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // "pid (name) state ppid ...": the name may hold spaces, so read after the ')'
+            let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+            after.split_whitespace().nth(1) == Some(&parent.to_string())
+        })
+        .collect()
+}
+
+/// Processes launched by mpirun train as one run: two processes of two CPU replicas equal one
+/// process of four bit for bit (the sum over two processes is `a + b`, the single process's
+/// balanced sum of its two halves), resumed too; four processes of one replica resume the
+/// two-process run within float tolerance; only rank 0 writes the model dir; a process that
+/// starts elsewhere ends the job on every rank; SIGUSR1 to mpirun (which passes it on) stops
+/// every rank after the same step with rank 0's checkpoint; `kill -9` of one rank ends the job.
+#[cfg(feature = "mpi")]
 #[test]
-fn two_nodes_equal_one_node_with_all_replicas_a_stranger_cannot_join_and_a_lost_node_ends_the_run()
-{
+fn processes_under_mpirun_train_as_one_run_and_fail_as_one_job() {
     let data = tempfile::tempdir().unwrap();
     prepare(data.path());
     let runs = tempfile::tempdir().unwrap();
@@ -538,140 +526,112 @@ fn two_nodes_equal_one_node_with_all_replicas_a_stranger_cannot_join_and_a_lost_
     let config_file = runs.path().join("tiny.json");
     std::fs::write(&config_file, serde_json::to_string(&c).unwrap()).unwrap();
     let (one, two) = (runs.path().join("one"), runs.path().join("two"));
+    let rank1_dir = runs.path().join("rank1");
+    let args = |dir: &Path, extra: &[&str]| train_args(&config_file, dir, extra);
 
-    // one process with four replicas against two with two each, then both resumed to step 4
     for steps in ["2", "4"] {
-        let single = train_process(
-            &config_file,
-            &one,
-            &["--devices", "cpu:4", "--num-steps", steps],
-        )
-        .spawn()
-        .unwrap();
-        let (ok, log) = finish(single);
-        assert!(ok, "{log}");
-        // the first time, a stranger tries to join as rank 1 before the real one
-        let stranger = |port| {
-            if steps == "2" {
-                stranger_claims_rank_1(port)
-            }
-        };
-        let [rank0, rank1] = two_nodes_with(
-            &config_file,
-            [two.as_path(); 2],
-            &["--num-steps", steps],
-            stranger,
+        let single = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(&args(&one, &["--devices", "cpu:4", "--num-steps", steps])[1..])
+            .output()
+            .unwrap();
+        assert!(
+            single.status.success(),
+            "{}",
+            String::from_utf8_lossy(&single.stderr)
         );
-        let ((ok0, log0), (ok1, log1)) = (finish(rank0), finish(rank1));
-        assert!(ok0 && ok1, "rank 0:\n{log0}\nrank 1:\n{log1}");
-        if steps == "2" {
-            assert!(
-                log0.contains("refused a connection") && log0.contains("wrong cluster token"),
-                "{log0}"
-            );
-        }
+        // the first time rank 1 is given a model dir of its own: it must write nothing
+        // there (resuming, it reads the checkpoint from the dir rank 0 writes)
+        let extra = ["--devices", "cpu:2", "--num-steps", steps];
+        let rank1 = if steps == "2" { &rank1_dir } else { &two };
+        let mut job = mpirun(&[(1, args(&two, &extra)), (1, args(rank1, &extra))]);
+        let (status, log) = finish_job(job.spawn().unwrap());
+        assert_eq!(status, Some(0), "{log}");
+        assert!(log.contains("process 0 of 2: gradients summed over the processes by MPI"));
         if steps == "4" {
-            assert!(log0.contains("resuming from") && log1.contains("resuming from"));
+            assert!(log.contains("resuming from"), "{log}");
         }
         let state =
             train::checkpoint::read_state(&train::checkpoint::latest(&two).unwrap().unwrap())
                 .unwrap();
         assert_eq!(state.step.to_string(), steps);
-        // the same sums in the same order: not merely close, equal
-        assert_eq!(
-            weights(&c, &one),
-            weights(&c, &two),
-            "after {steps} steps the runs differ"
-        );
+        assert_eq!(weights(&c, &one), weights(&c, &two), "after {steps} steps");
+        assert_eq!(losses(&one), losses(&two));
+        let written: Vec<_> = std::fs::read_dir(&rank1_dir).unwrap().collect();
+        assert!(written.is_empty(), "rank 1 wrote {written:?}");
     }
 
-    // a node that starts elsewhere (its model dir holds the step-4 checkpoint, rank 0's
-    // nothing) stops the run before the first step, on both nodes
-    let fresh = runs.path().join("fresh");
-    let [rank0, rank1] = two_nodes_with(
-        &config_file,
-        [fresh.as_path(), one.as_path()],
-        &["--num-steps", "6"],
-        |_| (),
+    // another process count resumes the run: four processes of one replica each, two more
+    // steps, against the single process of four replicas (the sum over four processes is
+    // formed in MPI's order, not the balanced one: close, not equal)
+    let single = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(&args(&one, &["--devices", "cpu:4", "--num-steps", "6"])[1..])
+        .output()
+        .unwrap();
+    assert!(single.status.success());
+    let extra = ["--devices", "cpu", "--num-steps", "6"];
+    let (status, log) = finish_job(mpirun(&[(4, args(&two, &extra))]).spawn().unwrap());
+    assert_eq!(status, Some(0), "{log}");
+    let (w1, w4) = (weights(&c, &one), weights(&c, &two));
+    let largest = w1.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = max_diff(&w1, &w4);
+    eprintln!(
+        "4 processes against 1 of 4 replicas after 6 steps: weights differ by {diff:e} (largest {largest})"
     );
-    for (rank, (ok, log)) in [finish(rank0), finish(rank1)].into_iter().enumerate() {
-        assert!(
-            !ok && log.contains("the replicas do not start from the same point"),
-            "rank {rank}:\n{log}"
-        );
+    assert!(diff <= 1e-5 * largest.max(1.0), "weights differ by {diff}");
+    for (a, b) in losses(&one).iter().zip(losses(&two)) {
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "losses {a} and {b}");
     }
+
+    // a process that starts elsewhere (rank 1's dir holds the step-6 checkpoint, rank 0's
+    // nothing) ends the job before the first step, the error printed, nothing written
+    let fresh = runs.path().join("fresh");
+    let extra = ["--devices", "cpu:2", "--num-steps", "8"];
+    let mut job = mpirun(&[(1, args(&fresh, &extra)), (1, args(&one, &extra))]);
+    let (status, log) = finish_job(job.spawn().unwrap());
+    assert_ne!(status, Some(0), "{log}");
+    assert!(
+        log.contains("the replicas are not at the same point"),
+        "{log}"
+    );
     assert!(train::checkpoint::latest(&fresh).unwrap().is_none());
 
-    // Ctrl-C on rank 1: both stop after the same step and rank 0 writes the checkpoint
+    // SIGUSR1 to mpirun, which passes it on to every rank: all stop after the same step,
+    // rank 0 checkpoints there, and every rank exits with the stopped status
     let stopped = runs.path().join("stopped");
-    let [rank0, rank1] = two_nodes(&config_file, &stopped, &["--num-steps", "100000"]);
+    let extra = ["--devices", "cpu", "--num-steps", "100000"];
+    let job = mpirun(&[(2, args(&stopped, &extra))]).spawn().unwrap();
     wait_for_steps(&stopped, 2);
-    let interrupt = std::process::Command::new("kill")
-        .args(["-INT", &rank1.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(interrupt.success());
-    let stopped_on_request = |child: std::process::Child| {
-        let out = child.wait_with_output().unwrap();
-        let log = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert_eq!(out.status.code(), Some(STOPPED_EXIT_STATUS.into()), "{log}");
-        log
+    let signal = |name: &str, pid: u32| {
+        let sent = std::process::Command::new("kill")
+            .args([name, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
     };
-    let (log0, log1) = (stopped_on_request(rank0), stopped_on_request(rank1));
-    assert!(
-        log1.contains("SIGINT: stopping at the end of the step"),
-        "{log1}"
-    );
+    signal("-USR1", job.id());
+    let (status, log) = finish_job(job);
+    assert_eq!(status, Some(STOPPED_EXIT_STATUS.into()), "{log}");
     let state =
         train::checkpoint::read_state(&train::checkpoint::latest(&stopped).unwrap().unwrap())
             .unwrap();
-    let last_step = |log: &str| {
-        log.lines()
-            .rev()
-            .find_map(|l| l.strip_prefix("done: step "))
-            .and_then(|l| l.split(' ').next())
-            .map(str::to_string)
-    };
-    assert_eq!(last_step(&log0), Some(state.step.to_string()), "{log0}");
-    assert_eq!(last_step(&log1), Some(state.step.to_string()), "{log1}");
+    assert!(
+        log.contains(&format!("stopped on request at step {} of", state.step)),
+        "{log}"
+    );
 
-    // rank 1 stops for good: rank 0 ends with an error within the node timeout, not a hang
+    // kill -9 of rank 1: mpirun ends the job, non-zero, within a minute
     let lost = runs.path().join("lost");
-    let [rank0, mut rank1] = two_nodes(&config_file, &lost, &["--num-steps", "100000"]);
+    let job = mpirun(&[(2, args(&lost, &extra))]).spawn().unwrap();
     wait_for_steps(&lost, 2);
-    rank1.kill().unwrap();
-    rank1.wait().unwrap();
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
+    signal("-KILL", ranks[1]);
     let killed = std::time::Instant::now();
-    let (ok, log) = finish(rank0);
+    let (status, log) = finish_job(job);
     let waited = killed.elapsed().as_secs_f64();
-    assert!(!ok, "rank 0 succeeded without its peer:\n{log}");
-    assert!(waited < 60.0, "rank 0 took {waited:.0} s to notice");
-    assert!(log.contains("exchange with node 1"), "{log}");
-
-    // a node whose coordinator never comes up gives up after the timeout, naming it
-    let coordinator = format!("tcp://127.0.0.1:{}", free_port());
-    let lone = train_process(
-        &config_file,
-        &runs.path().join("lone"),
-        &[
-            "--devices",
-            "cpu",
-            "--nodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--coordinator",
-            &coordinator,
-            "--node-timeout",
-            "2",
-            "--cluster-token",
-            TOKEN,
-        ],
-    )
-    .spawn()
-    .unwrap();
-    let (ok, log) = finish(lone);
-    assert!(!ok && log.contains("cannot reach rank 0"), "{log}");
+    eprintln!("kill -9 of a rank: mpirun ended {waited:.2} s later with {status:?}");
+    assert_ne!(status, Some(0), "{log}");
+    assert!(waited < 60.0, "the job took {waited:.0} s to end");
 }
 
 #[test]
@@ -683,7 +643,7 @@ fn repeating_the_first_batch_reads_one_batch() {
         model_dir: runs.path().to_path_buf(),
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
-        cluster: None,
+        nodes: None,
         repeat_first_batch: true,
     };
     let s = train::<B>(&config(data.path(), 4), &[Default::default()], &options).unwrap();

@@ -404,7 +404,7 @@ fn a_pipeline_config_with_a_tf_checkpoint_trains_from_it() {
         model_dir: runs.path().to_path_buf(),
         stop: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
         verbose: false,
-        cluster: None,
+        nodes: None,
         repeat_first_batch: false,
     };
     let summary = train::learner::train::<B>(&config, &[Default::default()], &options).unwrap();

@@ -465,7 +465,7 @@ fn check_learner_step(config: &TrainConfig, tf: &Tf, run: &str, replicas: usize)
         model_dir: dir.path().to_path_buf(),
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
-        cluster: None,
+        nodes: None,
         repeat_first_batch: false,
     };
     train::<B>(config, &vec![Default::default(); replicas], &options).unwrap();

@@ -2,14 +2,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, anyhow};
 use data::shards::expand_patterns;
 use train::config::TrainConfig;
-use train::devices::{check_memory, parse_devices};
+use train::devices::{check_memory, cuda_device_count, parse_devices};
 use train::learner::{RunOptions, RunSummary, STOPPED_EXIT_STATUS, TrainingJob};
-use train::sync::{Cluster, TOKEN_ENV};
+#[cfg(feature = "mpi")]
+use train::sync::mpi::MpiSession;
+use train::sync::{Launch, Nodes};
 
 use super::evaluate::print_metrics;
 
@@ -17,8 +18,9 @@ use super::evaluate::print_metrics;
 pub struct TrainArgs {
     /// Devices: CUDA ordinals `0,1`, `cpu` (one replica), `cpu:N` (N replicas on the CPU,
     /// through the same data-parallel path), `wgpu` (a Vulkan, Metal or DirectX 12 GPU) or
-    /// `wgpu:0,1` (two wgpu devices, on one GPU or several). Default: every CUDA device found,
-    /// else `cpu`.
+    /// `wgpu:0,1` (two wgpu devices, on one GPU or several). Default: every CUDA device found
+    /// (under mpirun or srun with several processes on a machine: the GPU of the process's
+    /// local rank), else `cpu`.
     #[arg(long)]
     devices: Option<String>,
     /// Training config (JSON).
@@ -46,38 +48,71 @@ pub struct TrainArgs {
     /// Skip evaluation (benchmarks).
     #[arg(long, conflicts_with = "eval_data")]
     no_eval: bool,
-    /// Machines (processes) in a multi-node run; each runs this command with its own
-    /// `--node-rank` and its local `--devices`.
-    #[arg(long, default_value_t = 1)]
-    nodes: usize,
-    /// This node's rank, 0..nodes. Rank 0 serves the coordinator address, writes checkpoints
-    /// and evaluates.
-    #[arg(long, default_value_t = 0)]
-    node_rank: usize,
-    /// The coordinator, `tcp://HOST:PORT` with HOST the rank-0 machine: rank 0 listens on
-    /// that address, the others connect to it (needed with --nodes).
-    #[arg(long)]
-    coordinator: Option<String>,
-    /// Where rank 0 listens instead, `HOST:PORT` (e.g. `0.0.0.0:29500` for every interface,
-    /// when the coordinator's name is not an address of rank 0's own).
-    #[arg(long)]
-    listen: Option<String>,
-    /// The shared secret of a multi-node run (at least 16 characters, the same on every node);
-    /// default: the SSD_BURN_CLUSTER_TOKEN environment variable. Prefer the variable: a
-    /// command line is visible to other users of the machine.
-    #[arg(long)]
-    cluster_token: Option<String>,
-    /// Seconds to wait for the other nodes (to connect, or in one exchange) before ending the
-    /// run with an error; rank 0's evaluations must fit in it.
-    #[arg(long, default_value_t = 300.0)]
-    node_timeout: f64,
 }
 
 /// Trains as `args` say and prints what the run did; the exit status tells a stop request
-/// ([`STOPPED_EXIT_STATUS`]) from the end of the run.
+/// ([`STOPPED_EXIT_STATUS`]) from the end of the run. A process of a job of several (mpirun,
+/// srun) joins the others through MPI; when it fails, it says why and ends the whole job.
 pub fn run(args: TrainArgs) -> Result<ExitCode> {
-    let (devices, first_line) = parse_devices(args.devices.as_deref())?;
-    eprintln!("{first_line}");
+    let launch = Launch::from_env(|k| std::env::var(k).ok()).map_err(|e| anyhow!(e))?;
+    let Some(launch) = launch else {
+        return train(args, None);
+    };
+    let (session, nodes) = join_job(&launch)?;
+    match train(args, Some((&launch, nodes))) {
+        Err(e) => {
+            eprintln!(
+                "Error: process {} of {}: {e:?}",
+                launch.rank, launch.processes
+            );
+            session.abort(1)
+        }
+        done => done,
+    }
+}
+
+/// MPI for a process of a job of several, and its place in the job.
+#[cfg(feature = "mpi")]
+fn join_job(launch: &Launch) -> Result<(MpiSession, Nodes)> {
+    let (session, nodes) = MpiSession::start().map_err(|e| anyhow!(e))?;
+    if (nodes.rank, nodes.count()) != (launch.rank, launch.processes) {
+        anyhow::bail!(
+            "{} says process {} of {}, MPI says {} of {}: is this binary linked against the MPI library of the launcher?",
+            launch.launcher,
+            launch.rank,
+            launch.processes,
+            nodes.rank,
+            nodes.count()
+        );
+    }
+    Ok((session, nodes))
+}
+
+/// Without MPI no process of a job of several trains: each would train alone.
+#[cfg(not(feature = "mpi"))]
+fn join_job(launch: &Launch) -> Result<(MpiSession, Nodes)> {
+    Err(anyhow!(launch.without_mpi()))
+}
+
+/// No MPI session exists in a build without MPI.
+#[cfg(not(feature = "mpi"))]
+enum MpiSession {}
+
+#[cfg(not(feature = "mpi"))]
+impl MpiSession {
+    fn abort(self, _code: i32) -> ! {
+        match self {}
+    }
+}
+
+/// The run itself, alone or as one process of a job.
+fn train(args: TrainArgs, job: Option<(&Launch, Nodes)>) -> Result<ExitCode> {
+    let spec = devices_spec(&args, job.as_ref().map(|(launch, _)| *launch));
+    let leader = job.as_ref().is_none_or(|(_, nodes)| nodes.rank == 0);
+    let (devices, first_line) = parse_devices(spec.as_deref())?;
+    if leader {
+        eprintln!("{first_line}");
+    }
     let config = config_with_overrides(&args)?;
     check_memory(&config, &devices)?;
     ensure_training_data(&config)?;
@@ -92,23 +127,41 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let options = RunOptions {
         model_dir: model_dir.clone(),
         stop: super::stop_signals::stop_flag()?,
-        verbose: true,
-        cluster: cluster(&args)?,
+        // the other processes of a job would repeat the leader's lines
+        verbose: leader,
+        nodes: job.map(|(_, nodes)| nodes),
         repeat_first_batch: false,
     };
     let summary = devices.run(TrainingJob {
         config: &config,
         options: &options,
     })?;
-    print_summary(&summary, &model_dir);
+    if leader {
+        print_summary(&summary, &model_dir);
+    }
     if summary.stopped {
-        eprintln!(
-            "stopped on request at step {} of {}: run the same command to resume (exit status {STOPPED_EXIT_STATUS})",
-            summary.step, config.train.num_steps
-        );
+        if leader {
+            eprintln!(
+                "stopped on request at step {} of {}: run the same command to resume (exit status {STOPPED_EXIT_STATUS})",
+                summary.step, config.train.num_steps
+            );
+        }
         return Ok(ExitCode::from(STOPPED_EXIT_STATUS));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `--devices` value: the command line's, else, for one of several processes on a
+/// machine with several GPUs, the GPU of its local rank.
+fn devices_spec(args: &TrainArgs, launch: Option<&Launch>) -> Option<String> {
+    if args.devices.is_some() {
+        return args.devices.clone();
+    }
+    let gpu = launch?.gpu(cuda_device_count())?;
+    eprintln!(
+        "one of several processes on this machine: training on CUDA device {gpu}, that of its local rank (--devices overrides)"
+    );
+    Some(gpu.to_string())
 }
 
 /// The config file with the command line's overrides, validated.
@@ -153,32 +206,6 @@ fn ensure_training_data(config: &TrainConfig) -> Result<()> {
     );
     data::prepare::prepare_synthetic(&out, 42, 3000, 300, 4, &|_, _| {})?;
     Ok(())
-}
-
-/// This process's place in a multi-node run, `None` for a run on this machine alone.
-fn cluster(args: &TrainArgs) -> Result<Option<Cluster>> {
-    match (args.nodes, &args.coordinator) {
-        (1, None) => Ok(None),
-        (1, Some(_)) => bail!("--coordinator needs --nodes N with N >= 2"),
-        (_, None) => bail!("--nodes {} needs --coordinator tcp://HOST:PORT", args.nodes),
-        (nodes, Some(coordinator)) => {
-            if !(args.node_timeout.is_finite() && args.node_timeout > 0.0) {
-                bail!("--node-timeout must be a positive number of seconds");
-            }
-            let token = match &args.cluster_token {
-                Some(t) => t.clone(),
-                None => std::env::var(TOKEN_ENV).with_context(|| {
-                    format!("a multi-node run needs a shared secret: set {TOKEN_ENV} (or --cluster-token) to the same value of at least 16 characters on every node")
-                })?,
-            };
-            let timeout = Duration::from_secs_f64(args.node_timeout);
-            let cluster = Cluster::new(nodes, args.node_rank, coordinator, &token, timeout)?;
-            match &args.listen {
-                Some(address) => Ok(Some(cluster.listening_on(address)?)),
-                None => Ok(Some(cluster)),
-            }
-        }
-    }
 }
 
 fn print_summary(summary: &RunSummary, model_dir: &Path) {

@@ -37,7 +37,7 @@ use crate::checkpoint;
 use crate::config::TrainConfig;
 use crate::devices::BackendJob;
 use crate::eval::Metrics;
-use crate::sync::{Bucketing, Cluster, GradientSync, InProcessAllReduce, TcpExchange, Transfer};
+use crate::sync::{Bucketing, GradientSync, InProcessAllReduce, Nodes, Transfer};
 
 /// How a run is driven.
 #[derive(Debug, Clone)]
@@ -50,7 +50,7 @@ pub struct RunOptions {
     /// Print progress lines.
     pub verbose: bool,
     /// This process's place in a multi-node run; `None` trains on this machine alone.
-    pub cluster: Option<Cluster>,
+    pub nodes: Option<Nodes>,
     /// For benchmarks: every step trains on the first batch again, and the data loader stops
     /// once it has made that batch, so the steps run without the data pipeline beside them
     /// (checkpoints then record the position after the first batch).
@@ -96,7 +96,7 @@ pub fn train<B: SsdBackend>(
     devices: &[B::Device],
     options: &RunOptions,
 ) -> Result<RunSummary> {
-    let shape = RunShape::of(devices.len(), options.cluster.as_ref(), config)?;
+    let shape = RunShape::of(devices.len(), options.nodes.as_ref(), config)?;
     std::fs::create_dir_all(&options.model_dir)
         .with_context(|| format!("creating {}", options.model_dir.display()))?;
     // held to the end of the run: one writer per model dir
@@ -130,7 +130,7 @@ pub fn train<B: SsdBackend>(
         ));
     }
     let exchange = (shape.replicas, transfer);
-    let sync = connect::<B>(options.cluster.as_ref(), exchange, &fingerprint, &log)?;
+    let sync = connect::<B>(options.nodes.as_ref(), exchange, &log);
     let pool = ReplicaPool::start(
         devices,
         &Blueprint {
@@ -138,7 +138,8 @@ pub fn train<B: SsdBackend>(
             start: &start,
             anchors: &Arc::new(model::ssd::anchors(&config.model)),
             sync: &sync,
-            bucketing: Bucketing::for_replicas(devices, options.cluster.is_some()),
+            bucketing: Bucketing::for_replicas(devices, options.nodes.is_some()),
+            run: &fingerprint,
         },
     )?;
     let loader = Loader::new(
@@ -182,11 +183,11 @@ struct RunShape {
 }
 
 impl RunShape {
-    fn of(replicas: usize, cluster: Option<&Cluster>, config: &TrainConfig) -> Result<Self> {
+    fn of(replicas: usize, nodes: Option<&Nodes>, config: &TrainConfig) -> Result<Self> {
         if replicas == 0 {
             bail!("no device to train on");
         }
-        let (nodes, rank) = cluster.map_or((1, 0), |c| (c.nodes, c.rank));
+        let (nodes, rank) = nodes.map_or((1, 0), |n| (n.count(), n.rank));
         let batch_size = config.train.batch_size;
         if !batch_size.is_multiple_of(replicas * nodes) {
             bail!(
@@ -224,29 +225,26 @@ fn record_indexes(config: &TrainConfig) -> Result<(RecordIndex, Option<RecordInd
     Ok((index, eval_index))
 }
 
-/// The gradient exchange: between this process's replicas, and over the machines of a
+/// The gradient exchange: between this process's replicas, and over the processes of a
 /// multi-node run.
 fn connect<B: SsdBackend>(
-    cluster: Option<&Cluster>,
+    nodes: Option<&Nodes>,
     (replicas, transfer): (usize, Transfer),
-    fingerprint: &str,
     log: &RunLog,
-) -> Result<Arc<dyn GradientSync<B>>> {
-    let Some(cluster) = cluster else {
-        return Ok(Arc::new(InProcessAllReduce::<B>::new(replicas, transfer)));
+) -> Arc<dyn GradientSync<B>> {
+    let Some(nodes) = nodes else {
+        return Arc::new(InProcessAllReduce::<B>::new(replicas, transfer));
     };
-    let (rank, nodes) = (cluster.rank, cluster.nodes);
     log.say(format!(
-        "node {rank} of {nodes}: connecting through {}",
-        cluster.coordinator
+        "process {} of {}: gradients summed over the processes by MPI",
+        nodes.rank,
+        nodes.count()
     ));
-    let exchange = TcpExchange::connect(cluster, replicas, fingerprint)?;
-    log.say(format!("node {rank} of {nodes}: all nodes connected"));
-    Ok(Arc::new(InProcessAllReduce::<B>::across_nodes(
+    Arc::new(InProcessAllReduce::<B>::across_nodes(
         replicas,
         transfer,
-        Arc::new(exchange),
-    )))
+        nodes.exchange.clone(),
+    ))
 }
 
 /// What every node of a multi-node run must share, hashed: the config and the training
@@ -400,7 +398,7 @@ impl<'a, B: SsdBackend> Run<'a, B> {
     /// A stop request on this machine that can be acted on at once: in a run of this machine
     /// alone, between steps (a multi-node run waits for the request to travel with a step).
     fn stop_here(&self) -> bool {
-        self.options.cluster.is_none() && self.options.stop.load(Ordering::Relaxed)
+        self.options.nodes.is_none() && self.options.stop.load(Ordering::Relaxed)
     }
 
     fn logs(&self, step: u64) -> bool {
@@ -421,7 +419,7 @@ impl<'a, B: SsdBackend> Run<'a, B> {
     /// every step of a multi-node run (whose stop requests travel with the loss). The others
     /// leave it on the device: one blocking read fewer per step.
     fn reads_loss(&self, step: u64, stop: bool) -> bool {
-        self.options.cluster.is_some()
+        self.options.nodes.is_some()
             || stop
             || self.logs(step)
             || self.checkpoints(step)
@@ -499,6 +497,11 @@ impl<'a, B: SsdBackend> Run<'a, B> {
         if self.shape.total_replicas() > 1 {
             self.pool.average_bn_stats()?;
         }
+        // the processes compare their weights' hash: the same bits everywhere, or the run
+        // stops here (within a process the weights are compared byte for byte below)
+        if self.shape.nodes > 1 {
+            self.pool.join(step)?;
+        }
         if !self.shape.leader() {
             return Ok(());
         }
@@ -563,10 +566,15 @@ impl<'a, B: SsdBackend> Run<'a, B> {
         if trained && self.latest.evaluated_step != Some(step) && !self.progress.stopping {
             self.evaluate()?;
         }
-        self.pool.shut_down();
         if trained && self.shape.leader() {
             write_charts(&self.log, &self.options.model_dir);
         }
+        // the other processes wait for the leader's last writes: a launcher ends the whole
+        // job as soon as one process exits with a status other than 0, the stopped one too
+        if self.shape.nodes > 1 {
+            self.pool.join(step)?;
+        }
+        self.pool.shut_down();
         let seconds = self.timing.run_start.elapsed().as_secs_f64();
         let steps_this_run = step - self.progress.first_step;
         Ok(RunSummary {

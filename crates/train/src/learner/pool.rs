@@ -32,6 +32,8 @@ pub(super) struct ReplicaPool<B: SsdBackend> {
     senders: Vec<Sender<Command>>,
     replies: Replies<B>,
     handles: Vec<JoinHandle<()>>,
+    /// The run's fingerprint, shortened for the join check.
+    run: u16,
 }
 
 /// What every replica is told for one step.
@@ -53,6 +55,8 @@ pub(super) struct Blueprint<'a, B: SsdBackend> {
     pub anchors: &'a Arc<Vec<BBox>>,
     pub sync: &'a Arc<dyn GradientSync<B>>,
     pub bucketing: Bucketing,
+    /// The run's fingerprint (config and training records), the same on every process.
+    pub run: &'a str,
 }
 
 impl<B: SsdBackend> ReplicaPool<B> {
@@ -65,6 +69,7 @@ impl<B: SsdBackend> ReplicaPool<B> {
             senders: Vec::new(),
             replies,
             handles: Vec::new(),
+            run: u16::from_str_radix(blueprint.run.get(..4).unwrap_or("0"), 16).unwrap_or(0),
         };
         // Each replica runs on a thread pool of its own with its share of the cores (rayon's
         // default: all of them, or RAYON_NUM_THREADS): the CPU kernels' parallel loops start on
@@ -95,9 +100,12 @@ impl<B: SsdBackend> ReplicaPool<B> {
         self.senders.len()
     }
 
-    /// Checks that every replica of every node starts from `step` and the same weights.
+    /// Checks that every replica of every process is at `step` with the same weights (by a
+    /// hash) in the same run (config and training records, by a hash).
     pub fn join(&self, step: u64) -> Result<()> {
-        self.broadcast(&mut |_| Command::Join { step }).map(drop)
+        let run = self.run;
+        self.broadcast(&mut |_| Command::Join { step, run })
+            .map(drop)
     }
 
     /// One training step, each replica on its part of the batch (`parts` in replica order).
@@ -257,7 +265,7 @@ fn build_replica<B: SsdBackend>(
 mod tests {
     use super::*;
     use burn::backend::Flex;
-    use burn::tensor::{Tensor, TensorData};
+    use burn::tensor::Tensor;
     use data::loader::Position;
     use model::targets::GroundTruth;
 
@@ -357,6 +365,7 @@ mod tests {
             anchors: &Arc::new(model::ssd::anchors(&config.model)),
             sync: &sync,
             bucketing: Bucketing::for_replicas(&[device.clone(), device.clone()], false),
+            run: "",
         };
         ReplicaPool::start(&[device.clone(), device], &blueprint).unwrap()
     }

@@ -68,8 +68,9 @@ pub(super) enum Command {
         /// step of a multi-node run, whose stop requests travel with it).
         read_loss: bool,
     },
-    /// Check that every replica everywhere starts from the same step and weights.
-    Join { step: u64 },
+    /// Check that every replica everywhere is at the same step with the same weights in the
+    /// same run (`run`: a hash of the config and training records).
+    Join { step: u64, run: u16 },
     /// Replace the BatchNorm moving statistics by their mean over all replicas.
     AverageBnStats,
     /// The weights, optimizer state and EMA, encoded, and the network for evaluation.
@@ -303,28 +304,37 @@ impl<B: SsdBackend> Replica<B> {
                 };
                 self.step(batch, learning_rate, step, read)
             }
-            Command::Join { step } => self.join(step).map(|()| Reply::Done),
+            Command::Join { step, run } => self.join(step, run).map(|()| Reply::Done),
             Command::AverageBnStats => self.average_bn_stats().map(|()| Reply::Done),
             Command::Snapshot => self.snapshot().map(Reply::Snapshot),
         }
     }
 
-    /// Checks that every replica of every node starts from the same step and weights (a
-    /// node that cannot see the checkpoint would silently start afresh).
-    fn join(&self, step: u64) -> Result<(), String> {
+    /// Checks that every replica of every process is at the same step with the same weights
+    /// in the same run: a process that cannot see the checkpoint would silently start afresh,
+    /// one with another config or other data would train something else, and replicas whose
+    /// weights drifted apart train different networks.
+    fn join(&self, step: u64, run: u16) -> Result<(), String> {
         let checksum = weight_checksum(&self.model().valid());
         // small integers: their mean over identical replicas is exact in f32
-        let mine = [step as f32, (checksum % 65_536) as f32];
-        let probe = Tensor::from_data(TensorData::new(mine.to_vec(), [2]), &self.device);
+        let mine = [step as f32, (checksum % 65_536) as f32, f32::from(run)];
+        let probe = Tensor::from_data(TensorData::new(mine.to_vec(), [3]), &self.device);
         let all = self.sync.all_reduce_mean(self.index, vec![probe], None)?;
         let mean = to_host(all.buckets[0].clone())?;
-        if mine.iter().zip(&mean).all(|(a, b)| (a - b).abs() < 0.25) {
-            return Ok(());
+        let differs = |i: usize| (mine[i] - mean[i]).abs() >= 0.25;
+        if differs(2) {
+            return Err(format!(
+                "the processes do not train the same run: the config or the training records (names, sizes, count) differ between them (hash {} here, mean {} over all); every process needs the same config and data",
+                mine[2], mean[2]
+            ));
         }
-        Err(format!(
-            "the replicas do not start from the same point: this one is at step {step} (weights hash {}), the mean over all replicas is step {} (hash {}); every node needs the same config and model dir contents (shared storage or a copy of the latest checkpoint)",
-            mine[1], mean[0], mean[1]
-        ))
+        if differs(0) || differs(1) {
+            return Err(format!(
+                "the replicas are not at the same point: this one is at step {step} (weights hash {}), the mean over all replicas is step {} (hash {}); every process needs the same config and model dir contents (shared storage or a copy of the latest checkpoint)",
+                mine[1], mean[0], mean[1]
+            ));
+        }
+        Ok(())
     }
 
     fn average_bn_stats(&self) -> Result<(), String> {

@@ -59,15 +59,13 @@ pub trait NodeExchange: Send + Sync {
     fn nodes(&self) -> usize;
 
     /// Called by one thread per machine with that machine's sum (the same length on every
-    /// machine); returns the sum over the machines, formed by [`pairwise_sum`] in rank order,
-    /// identical on all of them.
+    /// machine); returns the sum over the machines, identical on all of them.
     fn sum_over_nodes(&self, values: Vec<f32>) -> Result<Vec<f32>, String>;
 }
 
-/// Sums `items` as a balanced tree in order: `((a + b) + (c + d)) + e`. Replicas on several
-/// machines sum their local group first and then the machines' sums; with this order (and
-/// equal power-of-two groups) that is exactly the sum one machine forms over all of them, so
-/// a multi-node run reproduces a single-node run bit for bit.
+/// Sums `items` as a balanced tree in order: `((a + b) + (c + d)) + e`: deterministic, and
+/// with two machines of equal power-of-two groups (whose sum over machines is `a + b`) a
+/// multi-node run reproduces a single-node run bit for bit.
 pub fn pairwise_sum<T>(mut items: Vec<T>, add: impl Fn(T, T) -> T) -> T {
     assert!(!items.is_empty(), "nothing to sum");
     while items.len() > 1 {

@@ -1,18 +1,46 @@
 //! Gradient synchronisation between replicas: the in-process all-reduce ([`all_reduce`]), the
-//! bucketing of gradients for the exchange ([`buckets`]), the multi-node transport
-//! ([`cluster`]), the path tensors take between devices ([`transfer`]) and the replica state
-//! that is compared or averaged ([`replica_state`]).
+//! bucketing of gradients for the exchange ([`buckets`]), the launcher of a multi-process job
+//! ([`launcher`]) and the exchange between its processes (`mpi`, with the `mpi` feature), the
+//! path tensors take between devices ([`transfer`]) and the replica state that is compared or
+//! averaged ([`replica_state`]).
 
 pub mod all_reduce;
 pub mod buckets;
-pub mod cluster;
+pub mod launcher;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod replica_state;
 pub mod transfer;
+
+use std::sync::Arc;
 
 pub use all_reduce::{GradientSync, InProcessAllReduce, Mean, NodeExchange, pairwise_sum};
 pub use buckets::{
     BUCKET_ELEMENTS, BucketLayout, Bucketing, flatten_gradients, unflatten_gradients,
 };
-pub use cluster::{Cluster, TOKEN_ENV, TcpExchange};
+pub use launcher::Launch;
 pub use replica_state::{bn_stats_flat, set_bn_stats_flat, weight_checksum};
 pub use transfer::{HOST_STAGED_ENV, Transfer};
+
+/// This process's place in a multi-node run (one process per machine, or per GPU) and the
+/// exchange between the processes.
+#[derive(Clone)]
+pub struct Nodes {
+    /// This process's rank; rank 0 writes the model dir and evaluates.
+    pub rank: usize,
+    /// Sums over the processes.
+    pub exchange: Arc<dyn NodeExchange>,
+}
+
+impl std::fmt::Debug for Nodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "process {} of {}", self.rank, self.count())
+    }
+}
+
+impl Nodes {
+    /// Processes in the run.
+    pub fn count(&self) -> usize {
+        self.exchange.nodes()
+    }
+}

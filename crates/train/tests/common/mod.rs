@@ -121,7 +121,7 @@ pub fn run_on<B: SsdBackend>(
         model_dir: model_dir.to_path_buf(),
         stop: Arc::new(AtomicBool::new(false)),
         verbose: false,
-        cluster: None,
+        nodes: None,
         repeat_first_batch: false,
     };
     train::<B>(config, devices, &options)
