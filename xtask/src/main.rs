@@ -1,15 +1,17 @@
 //! Developer and dataset tasks: `cargo xtask prepare-data`, `cargo xtask inspect`,
-//! `cargo xtask bench`, `cargo xtask launches`.
+//! `cargo xtask bench`, `cargo xtask launches`, `cargo xtask coco-file`.
 
 mod bench;
+mod coco_file;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod launches;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
+use data::coco::{CocoOptions, CocoPrepared, prepare_coco};
 use data::images::decode_image;
 use data::prepare::{VocOptions, is_prepared, prepare_synthetic, prepare_voc, synthetic_request};
 use data::shards::expand_patterns;
@@ -74,6 +76,19 @@ enum Command {
         #[arg(long, default_value = "target/launches.json")]
         out: PathBuf,
     },
+    /// Write a COCO annotation file the size of train2017's over a few small pictures (to
+    /// measure `prepare-data --from-coco` at that scale): `OUT/instances.json`, `OUT/images/`.
+    CocoFile {
+        /// The output folder.
+        #[arg(long, default_value = "target/coco-file")]
+        out: PathBuf,
+        /// Image entries (train2017: 118,287).
+        #[arg(long, default_value_t = 118_287)]
+        images: u64,
+        /// Annotations (train2017: 860,001).
+        #[arg(long, default_value_t = 860_001)]
+        annotations: u64,
+    },
     /// One benchmark case (run by `bench` in a child process).
     #[command(hide = true)]
     BenchCase {
@@ -95,12 +110,31 @@ enum Classes {
 
 #[derive(clap::Args)]
 struct PrepareArgs {
-    /// Output folder (default: datasets/synthetic, datasets/<source folder name>).
+    /// Output folder (default: datasets/synthetic, datasets/<source folder name>,
+    /// datasets/coco).
     #[arg(long)]
     out: Option<PathBuf>,
     /// An Oxford-IIIT Pet or PASCAL VOC folder (images/, annotations/xmls/, annotations/trainval.txt).
     #[arg(long, conflicts_with = "from_tfrecord")]
     from_voc: Option<PathBuf>,
+    /// A COCO annotation file (instances_train2017.json, or a torchvision, mmdetection, CVAT,
+    /// Label Studio or Roboflow export), with --images: writes OUT/<split>.record-*.
+    #[arg(long, conflicts_with_all = ["from_voc", "from_tfrecord", "label_map"], requires = "images")]
+    from_coco: Option<PathBuf>,
+    /// --from-coco: the folder the images' `file_name`s are relative to.
+    #[arg(long, requires = "from_coco")]
+    images: Option<PathBuf>,
+    /// --from-coco: the split written; another call with `--split val` adds it to the same
+    /// folder and manifest.
+    #[arg(long, default_value = "train", requires = "from_coco")]
+    split: String,
+    /// --from-coco: map the category ids to 1..K in the order of `categories` (ids starting
+    /// at 0 always are; otherwise COCO's ids are kept as label-map ids).
+    #[arg(long, requires = "from_coco")]
+    contiguous_ids: bool,
+    /// --from-coco: leave out images without annotations (written as negatives otherwise).
+    #[arg(long, requires = "from_coco")]
+    skip_empty: bool,
     /// Class names for --from-voc.
     #[arg(long, value_enum, default_value = "species")]
     classes: Classes,
@@ -112,11 +146,11 @@ struct PrepareArgs {
     /// with --from-tfrecord the labels allowed (up to its largest id).
     #[arg(long)]
     label_map: Option<PathBuf>,
-    /// --from-voc: skip (and count) images that do not decode completely and annotations that
-    /// are invalid, instead of stopping at the first.
-    #[arg(long, requires = "from_voc")]
+    /// --from-voc, --from-coco: skip (and count) images that do not decode completely and
+    /// annotations that are invalid, instead of stopping at the first.
+    #[arg(long)]
     skip_invalid: bool,
-    /// Shards of the training split.
+    /// Shards of the training split (--from-coco: of the split written).
     #[arg(long, default_value_t = 4)]
     num_shards: usize,
     /// Synthetic training images.
@@ -168,6 +202,25 @@ fn main() -> Result<()> {
             batch,
             out,
         }),
+        Command::CocoFile {
+            out,
+            images,
+            annotations,
+        } => {
+            let g = coco_file::generate(&out, images, annotations)?;
+            println!(
+                "{}: {} bytes, {} images ({} without annotations), {} annotations ({} crowd \
+                 regions), pictures in {}",
+                g.file.display(),
+                g.bytes,
+                g.images,
+                g.empty,
+                g.annotations,
+                g.crowd,
+                out.join("images").display()
+            );
+            Ok(())
+        }
         Command::BenchCase {
             case,
             scratch,
@@ -198,8 +251,14 @@ fn prepare(args: PrepareArgs) -> Result<()> {
     if !args.from_tfrecord.is_empty() {
         return validate_tfrecords(&args);
     }
+    if let Some(file) = &args.from_coco {
+        return prepare_from_coco(&args, file);
+    }
     if args.from_voc.is_none() && args.label_map.is_some() {
         bail!("--label-map needs --from-voc or --from-tfrecord (the synthetic set has its own)");
+    }
+    if args.from_voc.is_none() && args.skip_invalid {
+        bail!("--skip-invalid needs --from-voc or --from-coco");
     }
     let bar = progress(0, "preparing");
     let tick = |split: &str, n: u64| {
@@ -276,6 +335,82 @@ fn prepare(args: PrepareArgs) -> Result<()> {
         summary.out.display()
     );
     Ok(())
+}
+
+/// Prepares one split from a COCO file and prints what was written, mapped and skipped.
+fn prepare_from_coco(args: &PrepareArgs, file: &Path) -> Result<()> {
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("datasets/coco"));
+    let options = CocoOptions {
+        images: args.images.clone().context("--from-coco needs --images")?,
+        split: args.split.clone(),
+        num_shards: args.num_shards,
+        contiguous_ids: args.contiguous_ids,
+        skip_empty: args.skip_empty,
+        skip_invalid: args.skip_invalid,
+    };
+    println!("reading {}", file.display());
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template("{msg}: {pos} images {per_sec} {elapsed}")
+            .expect("valid template"),
+    );
+    let tick = |split: &str, n: u64| {
+        bar.set_message(split.to_string());
+        bar.inc(n);
+    };
+    let prepared = prepare_coco(file, &out, &options, &tick)?;
+    bar.finish();
+    print_coco(&prepared);
+    Ok(())
+}
+
+fn print_coco(p: &CocoPrepared) {
+    let s = &p.summary;
+    println!(
+        "{}: {} images, objects {:?}, {} shards",
+        p.split,
+        s.written.images,
+        s.written.objects,
+        s.written.files.len()
+    );
+    let c = &p.categories;
+    if c.contiguous {
+        let mapped: Vec<String> = c
+            .items
+            .iter()
+            .map(|it| format!("{} ({}) -> {}", it.coco_id, it.name, it.label))
+            .collect();
+        println!("category ids mapped to labels: {}", mapped.join(", "));
+    } else {
+        println!(
+            "{} categories, their ids kept as labels (the largest, {}, is the least \
+             num_classes of a config)",
+            c.items.len(),
+            c.num_classes()
+        );
+    }
+    println!(
+        "cleanup: {} re-encoded, {} boxes clipped, {} boxes dropped, {} crowd regions left out",
+        s.cleanup.reencoded, s.cleanup.boxes_clipped, s.cleanup.boxes_dropped, s.crowd_regions
+    );
+    let empty = if s.empty_skipped > 0 {
+        "left out (--skip-empty)"
+    } else {
+        "written as negatives"
+    };
+    println!("{} images without annotations, {empty}", s.empty_images);
+    for (what, why) in &s.skipped {
+        println!("skipped {what}: {why}");
+    }
+    println!(
+        "{} invalid entries skipped ({} images left out); wrote {}",
+        s.skipped.len(),
+        s.images_skipped,
+        p.out.display()
+    );
 }
 
 /// Checks every record as training and evaluation will, listing each invalid one; fails

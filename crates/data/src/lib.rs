@@ -1,8 +1,9 @@
 //! Datasets for SSD training: TFRecord files of `tf.train.Example`s with the Object Detection
-//! API's keys, label maps, PASCAL VOC / Oxford-IIIT Pet folders and the built-in synthetic
-//! cats-and-dogs set; the protobuf text format of label maps and pipeline configs.
+//! API's keys, label maps, PASCAL VOC / Oxford-IIIT Pet folders, COCO annotation files and the
+//! built-in synthetic cats-and-dogs set; the protobuf text format of label maps and pipeline configs.
 
 pub mod augment;
+pub mod coco;
 pub mod error;
 pub mod example;
 pub mod images;

@@ -1,5 +1,6 @@
 //! Dataset preparation: the synthetic set and PASCAL VOC / Oxford-IIIT Pet folders written as
-//! sharded TFRecords plus `label_map.pbtxt` and `manifest.json`, every file written atomically.
+//! sharded TFRecords plus `label_map.pbtxt` and `manifest.json`, every file written atomically
+//! (COCO files: [`crate::coco`], with the helpers here).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,11 +46,11 @@ pub struct PrepareSummary {
     pub invalid: usize,
 }
 
-fn write_text(path: &Path, text: &str) -> Result<()> {
+pub(crate) fn write_text(path: &Path, text: &str) -> Result<()> {
     model::io::write_atomic(path, text.as_bytes()).map_err(DataError::io("writing", path))
 }
 
-fn count_objects(e: &DetectionExample, counts: &mut BTreeMap<String, usize>) {
+pub(crate) fn count_objects(e: &DetectionExample, counts: &mut BTreeMap<String, usize>) {
     for o in &e.objects {
         *counts.entry(o.class_text.clone()).or_default() += 1;
     }
@@ -81,20 +82,25 @@ pub fn synthetic_request(seed: u64, train: u64, val: u64, num_shards: usize) -> 
     json!({"source": "synthetic", "seed": seed, "train": train, "val": val, "num_shards": num_shards})
 }
 
-/// A training split of `records` records in `num_shards` shards: at least one shard, and no
-/// more than records (the rest would be empty).
-fn check_num_shards(num_shards: usize, records: usize, source: &Path) -> Result<()> {
+/// A split (`what`: "training") of `records` records in `num_shards` shards: at least one
+/// shard, and no more than records (the rest would be empty).
+pub(crate) fn check_num_shards(
+    num_shards: usize,
+    records: usize,
+    what: &str,
+    source: &Path,
+) -> Result<()> {
     if num_shards == 0 {
         return Err(DataError::invalid(
             source,
-            "num_shards 0: the training split needs at least one shard",
+            format!("num_shards 0: the {what} split needs at least one shard"),
         ));
     }
     if num_shards > records {
         return Err(DataError::invalid(
             source,
             format!(
-                "num_shards {num_shards} is more than the {records} training records \
+                "num_shards {num_shards} is more than the {records} {what} records \
                  (shards would be empty)"
             ),
         ));
@@ -103,12 +109,15 @@ fn check_num_shards(num_shards: usize, records: usize, source: &Path) -> Result<
 }
 
 /// A split written under temporary names, waiting to replace the older set.
-type ClosedSplit = (&'static str, SplitSummary, ClosedShards);
+pub(crate) type ClosedSplit = (String, SplitSummary, ClosedShards);
 
 /// Replaces the older set of `out` with the closed splits: the old `manifest.json` goes first
 /// (so an interruption during the renames leaves a set that reads as not prepared), then
 /// every split's shards are renamed into place and older shards of the same names removed.
-fn replace_set(out: &Path, splits: Vec<ClosedSplit>) -> Result<BTreeMap<String, SplitSummary>> {
+pub(crate) fn replace_set(
+    out: &Path,
+    splits: Vec<ClosedSplit>,
+) -> Result<BTreeMap<String, SplitSummary>> {
     let manifest = out.join("manifest.json");
     match std::fs::remove_file(&manifest) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -119,7 +128,7 @@ fn replace_set(out: &Path, splits: Vec<ClosedSplit>) -> Result<BTreeMap<String, 
     let mut summaries = BTreeMap::new();
     for (split, mut summary, shards) in splits {
         summary.files = shards.commit()?;
-        summaries.insert(split.to_string(), summary);
+        summaries.insert(split, summary);
     }
     Ok(summaries)
 }
@@ -135,7 +144,7 @@ pub fn prepare_synthetic(
     num_shards: usize,
     progress: &(dyn Fn(&str, u64) + Sync),
 ) -> Result<PrepareSummary> {
-    check_num_shards(num_shards, train as usize, out)?;
+    check_num_shards(num_shards, train as usize, "training", out)?;
     std::fs::create_dir_all(out).map_err(DataError::io("creating", out))?;
     let mut closed = Vec::new();
     for (split, first, count, shards) in [("train", 0, train, num_shards), ("val", train, val, 1)] {
@@ -151,7 +160,7 @@ pub fn prepare_synthetic(
             progress(split, end - start);
         }
         split_summary.images = writer.len();
-        closed.push((split, split_summary, writer.close()?));
+        closed.push((split.to_string(), split_summary, writer.close()?));
     }
     let summary = PrepareSummary {
         out: out.to_path_buf(),
@@ -236,7 +245,7 @@ pub fn prepare_voc(
     let mut names = layout.names.clone();
     names.shuffle(&mut StdRng::seed_from_u64(options.seed));
     let num_train = (0.7 * names.len() as f64) as usize;
-    check_num_shards(options.num_shards, num_train, root)?;
+    check_num_shards(options.num_shards, num_train, "training", root)?;
     std::fs::create_dir_all(out).map_err(DataError::io("creating", out))?;
     let mut summary = PrepareSummary {
         out: out.to_path_buf(),
@@ -268,7 +277,7 @@ pub fn prepare_voc(
             }
         }
         split_summary.images = writer.len();
-        closed.push((split, split_summary, writer.close()?));
+        closed.push((split.to_string(), split_summary, writer.close()?));
     }
     if closed[0].1.images == 0 {
         return Err(DataError::invalid(root, "no training image left to write"));

@@ -63,6 +63,15 @@ pub struct CleanupReport {
     pub boxes_dropped: usize,
 }
 
+impl CleanupReport {
+    /// Adds the counts of `other`.
+    pub(crate) fn add(&mut self, other: &Self) {
+        self.reencoded += other.reencoded;
+        self.boxes_clipped += other.boxes_clipped;
+        self.boxes_dropped += other.boxes_dropped;
+    }
+}
+
 fn child_text<'a>(node: roxmltree::Node<'a, 'a>, name: &str) -> Option<&'a str> {
     node.children()
         .find(|c| c.has_tag_name(name))
@@ -143,6 +152,31 @@ pub fn breed_from_filename(filename: &str) -> Option<&str> {
         .then_some(breed)
 }
 
+/// A box of pixel corners normalised by the image size and clipped to the image; `None` when
+/// no area is left (outside the image, or a maximum not above its minimum). Clipped and
+/// dropped boxes are counted in `report`.
+pub(crate) fn normalised_box(
+    pixels: BBox,
+    width: u32,
+    height: u32,
+    report: &mut CleanupReport,
+) -> Option<BBox> {
+    let (w, h) = (width as f32, height as f32);
+    let raw = BBox::new(
+        pixels.ymin / h,
+        pixels.xmin / w,
+        pixels.ymax / h,
+        pixels.xmax / w,
+    );
+    let bbox = raw.clip_to(&BBox::new(0.0, 0.0, 1.0, 1.0));
+    if bbox.height() <= 0.0 || bbox.width() <= 0.0 {
+        report.boxes_dropped += 1;
+        return None;
+    }
+    report.boxes_clipped += usize::from(bbox != raw);
+    Some(bbox)
+}
+
 /// Reads an image file, returning JPEG bytes (the original ones when they already are an RGB
 /// JPEG) with its size, and whether it had to be re-encoded. A file that does not decode
 /// completely (a JPEG or PNG cut short) is an error, as TensorFlow's decoders reject it.
@@ -201,13 +235,9 @@ pub fn voc_example(
             )
         })?;
         let (x0, y0, x1, y1) = o.bndbox;
-        let raw = BBox::new(y0 / h as f32, x0 / w as f32, y1 / h as f32, x1 / w as f32);
-        let bbox = raw.clip_to(&BBox::new(0.0, 0.0, 1.0, 1.0));
-        if bbox.height() <= 0.0 || bbox.width() <= 0.0 {
-            report.boxes_dropped += 1;
+        let Some(bbox) = normalised_box(BBox::new(y0, x0, y1, x1), w, h, report) else {
             continue;
-        }
-        report.boxes_clipped += usize::from(bbox != raw);
+        };
         objects.push(Object {
             bbox,
             class_text: class,

@@ -742,3 +742,66 @@ fn sigterm_checkpoints_and_resumes_exactly_and_a_second_run_on_the_dir_is_refuse
         );
     }
 }
+
+/// Shards prepared from a COCO file (sparse category ids, a crowd region, an image without
+/// annotations) train and evaluate.
+#[test]
+fn trains_on_shards_prepared_from_a_coco_file() {
+    use data::coco::{CocoOptions, prepare_coco};
+    use serde_json::json;
+
+    let data = tempfile::tempdir().unwrap();
+    let images = data.path().join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    for i in 0..4u32 {
+        let img = image::RgbImage::from_fn(80, 64, |x, y| {
+            image::Rgb([(x * 3) as u8, (y * 4) as u8, (i * 60) as u8])
+        });
+        img.save(images.join(format!("{i}.jpg"))).unwrap();
+    }
+    let image = |id: u32| json!({"id": id, "file_name": format!("{}.jpg", id % 4), "width": 80, "height": 64});
+    let boxes = |id: u32| {
+        let category = if id.is_multiple_of(2) { 7 } else { 2 };
+        json!([
+            {"id": 10 * id, "image_id": id, "category_id": category, "bbox": [8, 6, 40, 30]},
+            {"id": 10 * id + 1, "image_id": id, "category_id": 2, "bbox": [50, 30, 30, 34],
+             "iscrowd": u32::from(id == 3)},
+        ])
+    };
+    let file = |name: &str, ids: std::ops::Range<u32>| {
+        let annotations: Vec<serde_json::Value> = ids
+            .clone()
+            .filter(|&id| id != 5)
+            .flat_map(|id| boxes(id).as_array().unwrap().clone())
+            .collect();
+        let coco = json!({
+            "images": ids.map(image).collect::<Vec<_>>(),
+            "annotations": annotations,
+            "categories": [{"id": 7, "name": "dog"}, {"id": 2, "name": "cat"}],
+        });
+        let path = data.path().join(name);
+        std::fs::write(&path, coco.to_string()).unwrap();
+        path
+    };
+    for (split, ids, shards) in [("train", 0..8, 2), ("val", 8..11, 1)] {
+        let options = CocoOptions {
+            images: images.clone(),
+            split: split.into(),
+            num_shards: shards,
+            contiguous_ids: false,
+            skip_empty: false,
+            skip_invalid: false,
+        };
+        let json = file(&format!("{split}.json"), ids);
+        prepare_coco(&json, data.path(), &options, &|_, _| {}).unwrap();
+    }
+    let runs = tempfile::tempdir().unwrap();
+    let mut c = config(data.path(), 2);
+    // the label-map ids are COCO's: 2 and 7
+    c.model.num_classes = 7;
+    c.eval.max_images = 3;
+    let summary = run(&c, runs.path(), 1).unwrap();
+    assert_eq!(summary.step, 2);
+    assert!(summary.last_loss.total.is_finite());
+    assert!(summary.metrics.expect("final evaluation").AP >= 0.0);
+}

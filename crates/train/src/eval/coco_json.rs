@@ -3,25 +3,21 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
+use data::coco::pixel_box;
 use model::BBox;
 use serde_json::Value;
 
 use super::metrics::{DetBox, GtBox, ImageResult};
 
-/// `[x, y, width, height]` of `entry` (e.g. "annotations[3]"): four finite numbers, the
-/// width and height not negative.
+/// `[x, y, width, height]` of `entry` (e.g. "annotations[3]"): four finite numbers, as
+/// training data reads them, the width and height not negative.
 fn bbox_from(v: &Value, entry: &str) -> Result<BBox> {
-    let a: Vec<f32> = v
-        .as_array()
-        .filter(|a| a.len() == 4)
-        .and_then(|a| a.iter().map(|x| x.as_f64().map(|f| f as f32)).collect())
-        .with_context(|| format!("{entry}: `bbox` must be [x, y, width, height], not {v}"))?;
-    let (ymax, xmax) = (a[1] + a[3], a[0] + a[2]);
-    if [ymax, xmax].iter().chain(&a).any(|x| !x.is_finite()) || a[2] < 0.0 || a[3] < 0.0 {
+    let b = pixel_box(v).map_err(|problem| anyhow!("{entry}: {problem}"))?;
+    if b.width() < 0.0 || b.height() < 0.0 {
         bail!("{entry}: `bbox` {v} must be finite with a width and height of at least 0");
     }
-    Ok(BBox::new(a[1], a[0], ymax, xmax))
+    Ok(b)
 }
 
 /// The `category_id` of `entry`, one of the `num_classes` categories.
