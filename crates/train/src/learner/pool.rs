@@ -364,10 +364,10 @@ mod tests {
             start,
             anchors: &Arc::new(model::ssd::anchors(&config.model)),
             sync: &sync,
-            bucketing: Bucketing::for_replicas(&[device.clone(), device.clone()], false),
+            bucketing: Bucketing::for_replicas(&[device; 2], false),
             run: "",
         };
-        ReplicaPool::start(&[device.clone(), device], &blueprint).unwrap()
+        ReplicaPool::start(&[device; 2], &blueprint).unwrap()
     }
 
     /// One image per replica, each with one object.
