@@ -55,25 +55,16 @@ pub struct TrainArgs {
 /// srun) joins the others through MPI; when it fails, it says why and ends the whole job.
 pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let launch = Launch::from_env(|k| std::env::var(k).ok()).map_err(|e| anyhow!(e))?;
-    let Some(launch) = launch else {
-        return train(args, None);
-    };
-    let (session, nodes) = join_job(&launch)?;
-    match train(args, Some((&launch, nodes))) {
-        Err(e) => {
-            eprintln!(
-                "Error: process {} of {}: {e:?}",
-                launch.rank, launch.processes
-            );
-            session.abort(1)
-        }
-        done => done,
+    match launch {
+        None => train(args, None),
+        Some(launch) => train_in_job(args, &launch),
     }
 }
 
-/// MPI for a process of a job of several, and its place in the job.
+/// [`train`] as one process of a job of several: MPI joins it to the others, and when it
+/// fails it says why and ends the whole job.
 #[cfg(feature = "mpi")]
-fn join_job(launch: &Launch) -> Result<(MpiSession, Nodes)> {
+fn train_in_job(args: TrainArgs, launch: &Launch) -> Result<ExitCode> {
     let (session, nodes) = MpiSession::start().map_err(|e| anyhow!(e))?;
     if (nodes.rank, nodes.count()) != (launch.rank, launch.processes) {
         anyhow::bail!(
@@ -85,24 +76,22 @@ fn join_job(launch: &Launch) -> Result<(MpiSession, Nodes)> {
             nodes.count()
         );
     }
-    Ok((session, nodes))
+    match train(args, Some((launch, nodes))) {
+        Err(e) => {
+            eprintln!(
+                "Error: process {} of {}: {e:?}",
+                launch.rank, launch.processes
+            );
+            session.abort(1)
+        }
+        done => done,
+    }
 }
 
 /// Without MPI no process of a job of several trains: each would train alone.
 #[cfg(not(feature = "mpi"))]
-fn join_job(launch: &Launch) -> Result<(MpiSession, Nodes)> {
+fn train_in_job(_args: TrainArgs, launch: &Launch) -> Result<ExitCode> {
     Err(anyhow!(launch.without_mpi()))
-}
-
-/// No MPI session exists in a build without MPI.
-#[cfg(not(feature = "mpi"))]
-enum MpiSession {}
-
-#[cfg(not(feature = "mpi"))]
-impl MpiSession {
-    fn abort(self, _code: i32) -> ! {
-        match self {}
-    }
 }
 
 /// The run itself, alone or as one process of a job.
