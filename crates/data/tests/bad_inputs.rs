@@ -2,6 +2,8 @@
 //! it enters: records read by the loader (and evaluation: both use `read_checked`), VOC /
 //! Oxford-IIIT Pet folders read by `prepare_voc`, and the shard sets `prepare-data` writes.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,6 +19,8 @@ use data::{DetectionExample, LabelMap, Result};
 use image::{DynamicImage, ImageFormat, Rgb, RgbImage};
 use model::BBox;
 use prost::Message;
+
+use common::listing;
 
 /// What an error about one example of a dataset being prepared ends with.
 const SKIP_HINT: &str =
@@ -208,16 +212,6 @@ fn options(num_shards: usize, skip_invalid: bool) -> VocOptions {
 
 fn prepare(root: &Path, out: &Path, options: &VocOptions) -> Result<PrepareSummary> {
     prepare_voc(root, out, options, &|_, _| {})
-}
-
-/// The sorted names of a folder's files.
-fn listing(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    names.sort();
-    names
 }
 
 fn all_examples(out: &Path) -> Vec<DetectionExample> {

@@ -2,6 +2,8 @@
 //! degenerate boxes and invalid entries, each with its exact outcome; a second split joining
 //! the folder; the loader reading the labels back.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,6 +15,8 @@ use data::tfrecord::{RecordIndex, read_all};
 use data::{DetectionExample, LabelMap, Result};
 use image::{DynamicImage, ImageFormat, Rgb, RgbImage};
 use serde_json::{Value, json};
+
+use common::listing;
 
 /// What an error about one entry ends with.
 const SKIP_HINT: &str =
@@ -137,15 +141,6 @@ fn examples(out: &Path, split: &str) -> BTreeMap<String, DetectionExample> {
         .map(|r| DetectionExample::decode(&r).unwrap())
         .map(|e| (e.source_id.clone(), e))
         .collect()
-}
-
-fn listing(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    names.sort();
-    names
 }
 
 fn manifest(out: &Path) -> Value {
