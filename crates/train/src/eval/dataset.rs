@@ -91,6 +91,7 @@ fn ground_truth(example: &DetectionExample, image: &DynamicImage) -> (Vec<GtBox>
             bbox: o.bbox.to_pixels(ih, iw),
             class_id: o.label as usize,
             difficult: o.difficult,
+            crowd: false,
         })
         .collect();
     (gts, ih, iw)

@@ -17,6 +17,10 @@ pub struct GtBox {
     pub class_id: usize,
     /// PASCAL "difficult" (ignored by the VOC metric).
     pub difficult: bool,
+    /// COCO `iscrowd`: a region of many objects. The COCO metric ignores the detections it
+    /// holds, as pycocotools does: their overlap with it is the intersection over the
+    /// detection's own area, and any number of them may match it.
+    pub crowd: bool,
 }
 
 /// A detection in pixels.
@@ -116,7 +120,10 @@ fn evaluate_image(
     }
     let outside = |b: &BBox| b.area() < area.0 || b.area() > area.1;
     // non-ignored ground truth first (stable)
-    let mut gts: Vec<(&GtBox, bool)> = gts.iter().map(|g| (*g, outside(&g.bbox))).collect();
+    let mut gts: Vec<(&GtBox, bool)> = gts
+        .iter()
+        .map(|g| (*g, g.crowd || outside(&g.bbox)))
+        .collect();
     gts.sort_by_key(|(_, ig)| *ig);
     let mut dets: Vec<&DetBox> = dets.to_vec();
     dets.sort_by(|a, b| b.score.total_cmp(&a.score));
@@ -129,7 +136,7 @@ fn evaluate_image(
             let mut best = thr.min(1.0 - 1e-10);
             let mut m: Option<usize> = None;
             for (g, (gt, g_ignored)) in gts.iter().enumerate() {
-                if gt_taken[g] {
+                if gt_taken[g] && !gt.crowd {
                     continue;
                 }
                 if let Some(prev) = m
@@ -138,7 +145,12 @@ fn evaluate_image(
                 {
                     break;
                 }
-                let iou = det.bbox.iou(&gt.bbox) as f64;
+                let iou = match gt.crowd {
+                    true => {
+                        det.bbox.intersection(&gt.bbox) / det.bbox.area().max(f32::MIN_POSITIVE)
+                    }
+                    false => det.bbox.iou(&gt.bbox),
+                } as f64;
                 if iou < best {
                     continue;
                 }
@@ -408,6 +420,7 @@ mod tests {
             bbox: BBox::new(y, x, y + s, x + s),
             class_id,
             difficult: false,
+            crowd: false,
         }
     }
     fn det(y: f32, x: f32, s: f32, class_id: usize, score: f32) -> DetBox {
