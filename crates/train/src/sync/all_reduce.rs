@@ -66,7 +66,7 @@ pub trait NodeExchange: Send + Sync {
 /// Sums `items` as a balanced tree in order: `((a + b) + (c + d)) + e`: deterministic, and
 /// with two machines of equal power-of-two groups (whose sum over machines is `a + b`) a
 /// multi-node run reproduces a single-node run bit for bit.
-pub fn pairwise_sum<T>(mut items: Vec<T>, add: impl Fn(T, T) -> T) -> T {
+fn pairwise_sum<T>(mut items: Vec<T>, add: impl Fn(T, T) -> T) -> T {
     assert!(!items.is_empty(), "nothing to sum");
     while items.len() > 1 {
         let mut next = Vec::with_capacity(items.len().div_ceil(2));
@@ -82,7 +82,7 @@ pub fn pairwise_sum<T>(mut items: Vec<T>, add: impl Fn(T, T) -> T) -> T {
     items.pop().expect("one left")
 }
 
-/// [`pairwise_sum`] of items that lie on several devices: every item but the first is first
+/// `pairwise_sum` of items that lie on several devices: every item but the first is first
 /// moved to the first one's device by `to_root` (Burn adds tensors on one device only).
 pub fn pairwise_sum_on_first<T>(
     items: Vec<T>,

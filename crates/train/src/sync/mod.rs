@@ -14,7 +14,7 @@ pub mod transfer;
 
 use std::sync::Arc;
 
-pub use all_reduce::{GradientSync, InProcessAllReduce, Mean, NodeExchange, pairwise_sum};
+pub use all_reduce::{GradientSync, InProcessAllReduce, Mean, NodeExchange};
 pub use buckets::{
     BUCKET_ELEMENTS, BucketLayout, Bucketing, flatten_gradients, unflatten_gradients,
 };
