@@ -118,7 +118,7 @@ struct PrepareArgs {
     #[arg(long, conflicts_with = "from_tfrecord")]
     from_voc: Option<PathBuf>,
     /// A COCO annotation file (instances_train2017.json, or a torchvision, mmdetection, CVAT,
-    /// Label Studio or Roboflow export), with --images: writes OUT/<split>.record-*.
+    /// Label Studio or Roboflow export), with --images: writes OUT/SPLIT.record-*.
     #[arg(long, conflicts_with_all = ["from_voc", "from_tfrecord", "label_map"], requires = "images")]
     from_coco: Option<PathBuf>,
     /// --from-coco: the folder the images' `file_name`s are relative to.

@@ -6,14 +6,28 @@
 //!
 //! Everything that holds tensors is generic over `B: burn::tensor::backend::Backend`.
 //!
-//! ```no_run
+//! A detector from a config and weights, on the CPU backend. Here an untrained network of a
+//! quarter of MobileNet's channels at 96x96 (`SsdConfig::init`); a trained one comes from a
+//! file with `Detector::load(SsdConfig::load(path)?, weights, &device)`:
+//!
+//! ```
 //! use burn::backend::Flex;
 //! use model::{Detector, SsdConfig};
 //!
-//! let config = SsdConfig::load("model.json".as_ref())?;
-//! let detector = Detector::<Flex>::load(config, "model.mpk".as_ref(), &Default::default())?;
-//! let image = image::open("cat.jpg").expect("an image");
+//! let config = SsdConfig {
+//!     num_classes: 2,
+//!     class_names: vec!["cat".into(), "dog".into()],
+//!     image_size: [96, 96],
+//!     depth_multiplier: 0.25,
+//!     ..SsdConfig::default()
+//! };
+//! let device = Default::default();
+//! let network = config.init::<Flex>(7, &device)?;
+//! let detector = Detector::new(config, network, &device)?;
+//! let image = image::DynamicImage::new_rgb8(160, 120); // any size: resized to 96x96
 //! for d in detector.detect(&image)? {
+//!     assert!(["cat", "dog"].contains(&d.class_name.as_str()));
+//!     assert!(d.pixel_bbox.xmax <= 160.0 && d.pixel_bbox.ymax <= 120.0);
 //!     println!("{} {:.2} {:?}", d.class_name, d.score, d.pixel_bbox);
 //! }
 //! # Ok::<(), model::ModelError>(())

@@ -150,7 +150,7 @@ impl<'a, B: SsdBackend> Activation<'a, B> {
 impl<B: SsdBackend> MobileNetV1<B> {
     /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations. In training,
     /// each depthwise unit applies the BatchNorm + ReLU6 of the unit before it
-    /// ([`ConvBnRelu6::forward_after`]), except after `Conv2d_11_pointwise`, whose activations
+    /// (`ConvBnRelu6::forward_after`), except after `Conv2d_11_pointwise`, whose activations
     /// are also a feature map; at inference every unit applies its own, with its convolution
     /// ([`ConvBnRelu6::forward`]).
     pub fn forward(&self, x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {

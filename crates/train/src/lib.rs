@@ -11,6 +11,21 @@
 //! - [`report`]: what a run writes for people: TensorBoard events, charts, drawn detections.
 //! - [`detect`]: detection on image files.
 //! - [`devices`]: which devices a run uses, and the one place that picks the backend.
+//!
+//! A config as `train` reads it: JSON, or the API's `pipeline.config` (imported, with notes on
+//! what it leaves out), checked before anything runs:
+//!
+//! ```
+//! use std::path::Path;
+//! use train::config::TrainConfig;
+//!
+//! let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/synthetic.json");
+//! let config = TrainConfig::load(&path)?;
+//! let schedule = config.train.optimizer.learning_rate();
+//! println!("batch {}, learning rate at step 0: {}", config.train.batch_size, schedule.at(0));
+//! assert_eq!(config.model.num_classes, 2);
+//! # Ok::<(), anyhow::Error>(())
+//! ```
 
 pub mod allocator;
 pub mod checkpoint;

@@ -5,8 +5,8 @@
 //! into `OUT`.
 //!
 //! The file is read in one pass keeping a few dozen bytes per annotation ([`json`]); the
-//! references are checked once it is read ([`plan`]); then the images are decoded and written
-//! a few at a time on every core, in the file's order ([`records`]).
+//! references are checked once it is read (`plan`); then the images are decoded and written
+//! a few at a time on every core, in the file's order (`records`).
 
 mod categories;
 mod json;

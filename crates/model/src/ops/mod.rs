@@ -4,7 +4,7 @@
 //! with TF "SAME" padding (dense or depthwise), training-mode BatchNorm fused with ReLU6, and
 //! the inference-mode affine map + ReLU6; the loss's sigmoid cross-entropy; and the training
 //! step's element-wise updates (L2 term, RMSProp, weight EMA) as single passes. Each has a
-//! default built from Burn's generic tensor operations ([`reference`]), which any backend
+//! default built from Burn's generic tensor operations ([`reference`](mod@reference)), which any backend
 //! (CUDA included) gets for free; the CPU backend overrides them with kernels written for
 //! these layers ([`cpu`]), and `Autodiff<B>` records them as single graph nodes whose
 //! backward pass calls the inner backend's backward operation. Model code stays generic

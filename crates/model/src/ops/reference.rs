@@ -1,4 +1,4 @@
-//! The [`SsdBackend`](super::SsdBackend) operations built from Burn's generic tensor
+//! The [`SsdBackend`] operations built from Burn's generic tensor
 //! operations: the defaults for any backend, and the reference the CPU kernels are tested
 //! against.
 

@@ -139,7 +139,7 @@ pub(crate) fn update_tensors<B: Backend>(
     }
 }
 
-/// `(name, shape)` of every tensor of the network, in [`update_tensors`] order.
+/// `(name, shape)` of every tensor of the network, in `update_tensors` order.
 pub fn tensor_shapes<B: Backend>(model: &Ssd<B>, config: &SsdConfig) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();
     update_tensors(&mut model.clone(), config, |name, shape, _| {
@@ -149,7 +149,7 @@ pub fn tensor_shapes<B: Backend>(model: &Ssd<B>, config: &SsdConfig) -> Vec<(Str
     out
 }
 
-/// `(name, shape, values)` of every tensor of the network, in [`update_tensors`] order.
+/// `(name, shape, values)` of every tensor of the network, in `update_tensors` order.
 pub fn named_tensors<B: Backend>(
     model: &Ssd<B>,
     config: &SsdConfig,

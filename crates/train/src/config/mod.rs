@@ -1,6 +1,6 @@
 //! Training configs: JSON files ([`settings`] has the sections and their defaults), or a TF
 //! Object Detection API `pipeline.config` imported on the fly ([`pipeline`]); every value is
-//! checked before a run starts ([`validate`]).
+//! checked before a run starts (`validate`).
 
 pub mod pipeline;
 mod schedule;

@@ -171,7 +171,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Refuses a run whose training step cannot fit, with the figures: on the CPU the estimate
 /// (`model::memory::training_bytes`) for the whole batch against the machine's memory, on
 /// GPUs each device's share against the smallest CUDA device's memory, or on wgpu against
-/// [`MAX_DEVICE_BYTES`].
+/// `MAX_DEVICE_BYTES`.
 pub fn check_memory(config: &TrainConfig, devices: &Devices) -> Result<()> {
     let batch = config.train.batch_size;
     let per_gpu = |ids: &[usize]| batch.div_ceil(ids.len().max(1));

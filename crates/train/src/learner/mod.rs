@@ -2,9 +2,9 @@
 //! holding a copy of the network made from one record, taking a disjoint slice of every global
 //! batch; gradients are averaged by a bucketed all-reduce so the replicas stay identical.
 //!
-//! [`train`] reads top-down: the run's setup, the starting point ([`start`]), the gradient
-//! exchange, the replica pool ([`pool`], each replica in [`replica`]), then the steps, each
-//! logged ([`run_log`]), checkpointed ([`checkpointing`]) and evaluated ([`evaluation`]) when
+//! [`train`] reads top-down: the run's setup, the starting point (`start`), the gradient
+//! exchange, the replica pool (`pool`, each replica in `replica`), then the steps, each
+//! logged (`run_log`), checkpointed (`checkpointing`) and evaluated (`evaluation`) when
 //! due, and the summary.
 
 mod batches;

@@ -226,7 +226,7 @@ fn draw_series(chart: &mut Chart, s: &Series, colour: RGBColor, spec: &ChartSpec
 pub struct Charts {
     /// `loss.png`, `learning_rate.png` and `eval.png`.
     pub files: Vec<PathBuf>,
-    /// Values of the log left out, being larger than [`PLOTTABLE`] (a diverging run's).
+    /// Values of the log left out, being larger than `PLOTTABLE` (a diverging run's).
     pub skipped: usize,
 }
 

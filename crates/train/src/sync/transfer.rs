@@ -27,7 +27,7 @@ pub enum Transfer {
 impl Transfer {
     /// The path between `devices` of backend `B` on this machine, and why the device-to-device
     /// path was not taken where the backend has one but it failed its start-up check: a small
-    /// known tensor from the first device to each other one and back ([`probe_pair`]). NCCL
+    /// known tensor from the first device to each other one and back (`probe_pair`). NCCL
     /// that loads but does not work (a small `/dev/shm` in a container, peer access blocked,
     /// a library built for a newer CUDA than the driver's) fails there, not in the first
     /// exchange.

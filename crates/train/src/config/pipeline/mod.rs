@@ -7,9 +7,9 @@
 //! with a note.
 
 //!
-//! One module per part: [`section`] reads a message and reports what is left unread;
-//! [`ssd`] (with [`hyperparams`], [`targets`], [`loss`] and [`post_processing`]) the model,
-//! [`train`] the `train_config`, [`input`] the input readers and `eval_config`.
+//! One module per part: `section` reads a message and reports what is left unread;
+//! `ssd` (with `hyperparams`, `targets`, `loss` and `post_processing`) the model,
+//! `train` the `train_config`, `input` the input readers and `eval_config`.
 
 mod hyperparams;
 mod input;
