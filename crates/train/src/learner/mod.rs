@@ -130,7 +130,7 @@ pub fn train<B: SsdBackend>(
         ));
     }
     let exchange = (shape.replicas, transfer);
-    let sync = connect::<B>(options.nodes.as_ref(), exchange, &log);
+    let sync = connect::<B>(options.nodes.as_ref(), exchange, &devices[0], &log);
     let pool = ReplicaPool::start(
         devices,
         &Blueprint {
@@ -226,24 +226,31 @@ fn record_indexes(config: &TrainConfig) -> Result<(RecordIndex, Option<RecordInd
 }
 
 /// The gradient exchange: between this process's replicas, and over the processes of a
-/// multi-node run.
+/// multi-node run (on the devices where every process can, else through host memory).
 fn connect<B: SsdBackend>(
     nodes: Option<&Nodes>,
     (replicas, transfer): (usize, Transfer),
+    first_device: &B::Device,
     log: &RunLog,
 ) -> Arc<dyn GradientSync<B>> {
     let Some(nodes) = nodes else {
         return Arc::new(InProcessAllReduce::<B>::new(replicas, transfer));
     };
+    let on_device = crate::sync::device_exchange::<B>(first_device, nodes);
     log.say(format!(
-        "process {} of {}: gradients summed over the processes by MPI",
+        "process {} of {}; exchange between processes: {}",
         nodes.rank,
-        nodes.count()
+        nodes.count(),
+        match &on_device {
+            Ok(_) => "NCCL on the GPUs".to_string(),
+            Err(why) => format!("MPI through host memory ({why})"),
+        }
     ));
     Arc::new(InProcessAllReduce::<B>::across_nodes(
         replicas,
         transfer,
         nodes.exchange.clone(),
+        on_device.ok(),
     ))
 }
 

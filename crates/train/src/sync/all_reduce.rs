@@ -1,6 +1,7 @@
 //! The in-process all-reduce: replicas of one process deposit their buckets, the sum is formed
 //! in replica order on the first replica's device, and in a multi-node run that local sum is
-//! handed to a [`NodeExchange`] (the multi-node transport) before every replica gets the mean.
+//! summed over the processes, on the device by a [`DeviceExchange`] (NCCL) or through host
+//! memory by a [`NodeExchange`] (MPI), before every replica gets the mean.
 //! Whatever every replica must agree on (the mean, its norm) is formed once and copied to
 //! every replica's device before any replica goes on.
 
@@ -63,6 +64,15 @@ pub trait NodeExchange: Send + Sync {
     fn sum_over_nodes(&self, values: Vec<f32>) -> Result<Vec<f32>, String>;
 }
 
+/// Sums a flat tensor over the machines of a multi-node run where it lies (NCCL on the GPUs),
+/// instead of through host memory.
+pub trait DeviceExchange<B: Backend>: Send + Sync {
+    /// Called by one thread per machine with that machine's sum (the same length on every
+    /// machine, a tensor nothing else holds: it may be summed in place); returns the sum over
+    /// the machines, identical on all of them, on the same device.
+    fn sum_over_nodes(&self, sum: Tensor<B, 1>) -> Result<Tensor<B, 1>, String>;
+}
+
 /// Sums `items` as a balanced tree in order: `((a + b) + (c + d)) + e`: deterministic, and
 /// with two machines of equal power-of-two groups (whose sum over machines is `a + b`) a
 /// multi-node run reproduces a single-node run bit for bit.
@@ -113,6 +123,8 @@ pub struct InProcessAllReduce<B: Backend> {
     replicas: usize,
     copy_to: CopyTo<B>,
     nodes: Option<Arc<dyn NodeExchange>>,
+    /// Where set, the sum over the machines is formed on the device instead of by `nodes`.
+    on_device: Option<Arc<dyn DeviceExchange<B>>>,
     state: Mutex<Round<B>>,
     signal: Condvar,
 }
@@ -131,6 +143,7 @@ impl<B: Backend> InProcessAllReduce<B> {
             replicas,
             copy_to,
             nodes: None,
+            on_device: None,
             state: Mutex::new(Round {
                 deposits: vec![None; replicas],
                 result: None,
@@ -142,10 +155,16 @@ impl<B: Backend> InProcessAllReduce<B> {
     }
 
     /// A reducer for `replicas` local participants whose mean is averaged over machines by
-    /// `nodes`.
-    pub fn across_nodes(replicas: usize, transfer: Transfer, nodes: Arc<dyn NodeExchange>) -> Self {
+    /// `on_device` where given, else by `nodes` through host memory.
+    pub fn across_nodes(
+        replicas: usize,
+        transfer: Transfer,
+        nodes: Arc<dyn NodeExchange>,
+        on_device: Option<Arc<dyn DeviceExchange<B>>>,
+    ) -> Self {
         Self {
             nodes: Some(nodes),
+            on_device,
             ..Self::new(replicas, transfer)
         }
     }
@@ -165,31 +184,39 @@ fn squared_norm<B: Backend>(buckets: &[Tensor<B, 1>], tail: usize) -> Option<Ten
 }
 
 impl<B: Backend> InProcessAllReduce<B> {
-    /// The mean over every replica of every machine, from this machine's sum.
+    /// The mean over every replica of every machine, from this machine's sum. Between
+    /// machines the buckets travel as one flat tensor (one call of the exchange), and the
+    /// values that ride at the end of the last bucket (loss parts, stop requests) with them.
     fn finish(&self, sum: Vec<Tensor<B, 1>>) -> Result<Vec<Tensor<B, 1>>, String> {
         let Some(nodes) = &self.nodes else {
             let n = self.replicas as f64;
             return Ok(sum.into_iter().map(|s| s.div_scalar(n)).collect());
         };
-        let device = sum
-            .first()
-            .map(|b| b.device())
-            .ok_or("no gradients to exchange")?;
         let sizes: Vec<usize> = sum.iter().map(|b| b.dims()[0]).collect();
-        let flat = Tensor::cat(sum, 0)
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| format!("{e:?}"))?;
-        let total = nodes.sum_over_nodes(flat)?;
+        // a fresh tensor (cat copies even a lone bucket): the device exchange may sum in place
+        let flat = Tensor::cat(sum, 0);
+        let total = match &self.on_device {
+            Some(exchange) => exchange.sum_over_nodes(flat)?,
+            None => {
+                let device = flat.device();
+                let values = flat
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .map_err(|e| format!("{e:?}"))?;
+                let len = values.len();
+                let total = nodes.sum_over_nodes(values)?;
+                Tensor::<B, 1>::from_data(TensorData::new(total, [len]), &device)
+            }
+        };
         let n = (self.replicas * nodes.nodes()) as f64;
         let mut offset = 0;
         Ok(sizes
             .into_iter()
             .map(|len| {
-                let part = total[offset..offset + len].to_vec();
+                let part = total.clone().narrow(0, offset, len);
                 offset += len;
-                Tensor::<B, 1>::from_data(TensorData::new(part, [len]), &device).div_scalar(n)
+                part.div_scalar(n)
             })
             .collect())
     }

@@ -1,20 +1,26 @@
 //! Gradient synchronisation between replicas: the in-process all-reduce ([`all_reduce`]), the
 //! bucketing of gradients for the exchange ([`buckets`]), the launcher of a multi-process job
-//! ([`launcher`]) and the exchange between its processes (`mpi`, with the `mpi` feature), the
-//! path tensors take between devices ([`transfer`]) and the replica state that is compared or
-//! averaged ([`replica_state`]).
+//! ([`launcher`]) and the exchange between its processes (`mpi`, with the `mpi` feature, and
+//! `nccl` on CUDA GPUs, with the `cuda` feature too), the path tensors take between devices
+//! ([`transfer`]), start-up checks that must not take the run down (`watchdog`) and the
+//! replica state that is compared or averaged ([`replica_state`]).
 
 pub mod all_reduce;
 pub mod buckets;
 pub mod launcher;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(all(feature = "cuda", feature = "mpi"))]
+pub mod nccl;
 pub mod replica_state;
 pub mod transfer;
+mod watchdog;
 
 use std::sync::Arc;
 
-pub use all_reduce::{GradientSync, InProcessAllReduce, Mean, NodeExchange};
+use burn::tensor::backend::Backend;
+
+pub use all_reduce::{DeviceExchange, GradientSync, InProcessAllReduce, Mean, NodeExchange};
 pub use buckets::{
     BUCKET_ELEMENTS, BucketLayout, Bucketing, flatten_gradients, unflatten_gradients,
 };
@@ -42,5 +48,21 @@ impl Nodes {
     /// Processes in the run.
     pub fn count(&self) -> usize {
         self.exchange.nodes()
+    }
+}
+
+/// The exchange between the processes on the devices themselves (NCCL on CUDA GPUs), or why
+/// their sums go through host memory (MPI) instead: the same answer on every process. Every
+/// process of the job calls it at the same point, with its first replica's device.
+pub fn device_exchange<B: Backend>(
+    device: &B::Device,
+    nodes: &Nodes,
+) -> Result<Arc<dyn DeviceExchange<B>>, String> {
+    #[cfg(all(feature = "cuda", feature = "mpi"))]
+    return nccl::connect::<B>(device, nodes);
+    #[cfg(not(all(feature = "cuda", feature = "mpi")))]
+    {
+        let _ = (device, nodes);
+        Err("built without the cuda feature".into())
     }
 }

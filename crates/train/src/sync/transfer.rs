@@ -1,12 +1,13 @@
 //! How tensors move between the replicas' devices, chosen once at the start of a run
 //! ([`Transfer::between`]) and said in its log.
 
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use model::ops::SsdBackend;
+
+use super::watchdog::{CHECK_LIMIT, bounded};
 
 /// Set to `1` to stage every copy between devices through the host even where the backend
 /// copies device to device (to compare the two paths on one machine).
@@ -40,7 +41,7 @@ impl Transfer {
             return (Self::HostStaged, None);
         }
         let failed = devices[1..].iter().enumerate().find_map(|(i, other)| {
-            probe_pair::<B>(&devices[0], other, PROBE_LIMIT, |t, d| t.to_device(d))
+            probe_pair::<B>(&devices[0], other, CHECK_LIMIT, |t, d| t.to_device(d))
                 .err()
                 .map(|why| format!("between replica 0's device and replica {}'s: {why}", i + 1))
         });
@@ -74,13 +75,10 @@ impl Transfer {
     }
 }
 
-/// How long the start-up check waits for a copy there and back (NCCL sets up its
-/// communicator on the first copy, which takes a few seconds).
-const PROBE_LIMIT: Duration = Duration::from_secs(60);
-
-/// Sends a small known tensor from `a` to `b` and back by `copy`, on a thread of its own: a
-/// failing NCCL set-up panics inside the device's runner, where the copy can then wait for
-/// ever. `Err` says what went wrong unless the values come back unchanged within `limit`.
+/// Sends a small known tensor from `a` to `b` and back by `copy`, within `limit` and
+/// without taking the run down ([`bounded`]): a failing NCCL set-up panics inside the
+/// device's runner, where the copy can then wait for ever. `Err` says what went wrong unless
+/// the values come back unchanged.
 fn probe_pair<B: Backend>(
     a: &B::Device,
     b: &B::Device,
@@ -89,27 +87,14 @@ fn probe_pair<B: Backend>(
 ) -> Result<(), String> {
     const SENT: [f32; 4] = [1.5, -2.0, 3.25, 1e-3];
     let (a, b) = (a.clone(), b.clone());
-    let (send, receive) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let round_trip = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            let there = copy(Tensor::<B, 1>::from_floats(SENT, &a), &b);
-            copy(there, &a).into_data().to_vec::<f32>()
-        }));
-        let _ = send.send(round_trip);
-    });
-    match receive.recv_timeout(limit) {
-        Ok(Ok(Ok(back))) if back == SENT => Ok(()),
-        Ok(Ok(Ok(back))) => Err(format!("sent {SENT:?}, got back {back:?}")),
-        Ok(Ok(Err(e))) => Err(format!("reading the copy back failed: {e:?}")),
-        Ok(Err(panic)) => Err(format!(
-            "the copy panicked: {}",
-            panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or(panic.downcast_ref::<&str>().copied())
-                .unwrap_or("(no message)")
-        )),
-        Err(_) => Err(format!("no copy back within {} s", limit.as_secs_f64())),
+    let round_trip = bounded("the copy", limit, move || {
+        let there = copy(Tensor::<B, 1>::from_floats(SENT, &a), &b);
+        copy(there, &a).into_data().to_vec::<f32>()
+    })?;
+    match round_trip {
+        Ok(back) if back == SENT => Ok(()),
+        Ok(back) => Err(format!("sent {SENT:?}, got back {back:?}")),
+        Err(e) => Err(format!("reading the copy back failed: {e:?}")),
     }
 }
 
@@ -154,6 +139,9 @@ mod tests {
             t
         })
         .unwrap_err();
-        assert!(err.contains("no copy back within 0.5 s"), "{err}");
+        assert!(
+            err.contains("the copy did not finish within 0.5 s"),
+            "{err}"
+        );
     }
 }
