@@ -2,26 +2,30 @@
 # The short check for a machine with CUDA GPUs (sized for one H200 and 15 minutes). Builds
 # nothing: run it from the repository root next to `train` and `xtask` binaries built
 # elsewhere (cargo build --release --workspace), e.g.
-#   BIN=./train XTASK=./xtask PEER_DIR=peer scripts/gpu-check.sh
+#   BIN=./train XTASK=./xtask PEER_DIR=peer MPI_BIN=./train-mpi scripts/gpu-check.sh
 # Parts: an untimed warm-up that fills cubecl's kernel caches (compilation and autotune, kept
 # under $OUT/cubecl-cache); a synthetic run on device 0; the same on two wgpu devices of the
 # one GPU (`wgpu:0,1`: the multi-device path at GPU speed); with two or more CUDA GPUs
 # `--devices 0,1` by the default exchange and through the host; the bench's device-0 cases
 # (training and inference steps, and the depthwise filter gradients as trained against
 # Burn's grouped convolution); and, with PEER_DIR (a copy of ../shared/bench/peer/) and
-# torch installed, the PyTorch peer's step on the same GPU, TF32 stated. The wgpu part
-# runs last. Every part's output goes to $OUT.
+# torch installed, the PyTorch peer's step on the same GPU, TF32 stated; with Open MPI's
+# `mpirun` and MPI_BIN (a `train` built with MPI: cargo build --release -p train --features
+# mpi) two processes under mpirun (see mpi_part). The wgpu part runs last. Every part's
+# output goes to $OUT.
 # With empty caches the first CUDA step compiles every kernel with NVRTC, about 0.7 s each on
 # an H200: the synthetic config's first step had not finished after 455 s (2026-12-04), so
 # the warm-up is given 540 s and autotuning its minimal level (CUBECL_AUTOTUNE_LEVEL, fewer
 # candidates to compile); on a cold machine the whole check outlasts 15 minutes.
 # Exits non-zero when a training part fails, or when two runs that must agree do not: the
 # exchange paths of `--devices 0,1` give losses within LOSS_RTOL (relative, default 1e-3) of
-# each other at every logged step.
+# each other at every logged step, and so do the two processes under mpirun and the one
+# process with both replicas.
 set -euo pipefail
 BIN=${BIN:-target/release/train}
 XTASK=${XTASK:-target/release/xtask}
 STEPS=${STEPS:-30}
+MPI_BIN=${MPI_BIN:-}
 OUT=${OUT:-gpu-check}
 LOSS_RTOL=${LOSS_RTOL:-1e-3}
 export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
@@ -88,6 +92,41 @@ if [ "$GPUS" -ge 2 ]; then
   SSD_BURN_HOST_STAGED=1 train_part synthetic-01-host 90 --devices 0,1 --num-steps "$STEPS" --no-eval
   same_losses synthetic-01-default synthetic-01-host
 fi
+# Two processes under mpirun, one replica each, against one process with both replicas (the
+# same global batch; the sum of two operands is the same in either order, so the losses
+# should agree to the last bit). With two GPUs each process takes the GPU of its local rank
+# and the sums go between them by NCCL; on one GPU both processes share it, which NCCL
+# refuses ("Duplicate GPU detected"), so the start-up check must fail on both and the run
+# fall back to MPI through host memory, saying why.
+mpi_part() {
+  if ! command -v mpirun >/dev/null || [ -z "$MPI_BIN" ] || [ ! -x "$MPI_BIN" ]; then
+    echo "== mpi: skipped (needs Open MPI's mpirun and MPI_BIN, a train built with --features mpi)" |
+      tee -a "$OUT/train.txt"
+    return 0
+  fi
+  local reference=synthetic-01-default devices=() expect="NCCL on the GPUs"
+  if [ "$GPUS" -lt 2 ]; then
+    reference=synthetic-00
+    devices=(--devices 0)
+    expect="MPI through host memory"
+    train_part synthetic-00 90 --devices 0,0 --num-steps "$STEPS" --no-eval
+  fi
+  echo "== mpi-2 (expecting: $expect)" | tee -a "$OUT/train.txt"
+  if ! timeout 240 mpirun --allow-run-as-root --oversubscribe -np 2 -x CUBECL_AUTOTUNE_LEVEL \
+    "$MPI_BIN" ${devices[@]+"${devices[@]}"} --num-steps "$STEPS" --no-eval --model-dir "$OUT/mpi-2" \
+    >"$OUT/mpi-2.log" 2>&1; then
+    tail -20 "$OUT/mpi-2.log" | tee -a "$OUT/train.txt"
+    echo "gpu-check: mpi-2 failed" | tee -a "$OUT/train.txt"
+    exit 1
+  fi
+  grep -E "exchange between processes|no NCCL" "$OUT/mpi-2.log" | tee -a "$OUT/train.txt"
+  if ! grep -q "exchange between processes: $expect" "$OUT/mpi-2.log"; then
+    echo "gpu-check: mpi-2 did not exchange by $expect" | tee -a "$OUT/train.txt"
+    exit 1
+  fi
+  same_losses mpi-2 "$reference"
+}
+mpi_part
 # the pets model (300x300, 37 classes) on GPU 0: training with the data loader and with the
 # batch in memory, inference at batch 1 (with and without NMS) and 8
 timeout 240 "$XTASK" bench --only="--devices 0" --repeats 5 --out "$OUT/bench.json" 2>&1 |
