@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_cubecl::CubeBackend;
 use cubecl_cuda::CudaRuntime;
@@ -112,17 +113,20 @@ fn agree(
     }
 }
 
-/// Rank 0's NCCL unique id, broadcast over MPI to every process.
+/// Rank 0's NCCL unique id, broadcast over MPI to every process (an `Err` on every process
+/// where rank 0 could not create one).
 fn unique_id(world: &SimpleCommunicator, rank: usize) -> Result<sys::ncclUniqueId, String> {
     let mut message = [0u8; 1 + ID_BYTES];
-    if rank == 0 {
-        match nccl::get_uniqueid() {
-            Ok(id) => message = id_message(&id),
-            Err(e) => eprintln!("process 0: ncclGetUniqueId failed: {}", describe(&e, None)),
-        }
+    let created = (rank == 0).then(nccl::get_uniqueid);
+    if let Some(Ok(id)) = &created {
+        message = id_message(id);
     }
     world.process_at_rank(0).broadcast_into(&mut message[..]);
-    id_from_message(&message).ok_or_else(|| "process 0 could not create an NCCL id".into())
+    match (created, id_from_message(&message)) {
+        (Some(Err(e)), _) => Err(format!("ncclGetUniqueId failed: {}", describe(&e, None))),
+        (_, Some(id)) => Ok(id),
+        (_, None) => Err("process 0 could not create an NCCL id (its log says why)".into()),
+    }
 }
 
 /// `id` as broadcast: a first byte 1 (rank 0 has an id), then its bytes.
@@ -183,49 +187,58 @@ struct NcclExchange {
 }
 
 impl DeviceExchange<Cuda> for NcclExchange {
-    /// The ordering with cubecl's streams, correctness before speed: the tensor's pending
-    /// operations are flushed into cubecl's stream of this thread and that stream is waited
-    /// for (`Backend::sync`), so the buffer holds the sum before NCCL reads it; NCCL runs on a
-    /// stream of its own, which is waited for before the tensor is handed back, so every later
-    /// kernel, on any stream, is queued after NCCL has written. Both waits block this thread
-    /// for the step's work and the exchange (nothing overlaps them); cubecl's own in-process
-    /// all-reduce orders the two streams with events instead, and could be followed there.
+    /// The ordering with cubecl's streams, correctness before speed: the buffer is made ready
+    /// ([`ready_buffer`]: every operation that writes it finished) before NCCL reads it; NCCL
+    /// runs on a stream of its own, which is waited for before the tensor is handed back, so
+    /// every later kernel, on any stream, is queued after NCCL has written. Both waits block
+    /// this thread (nothing overlaps the exchange); cubecl's own in-process all-reduce orders
+    /// the two streams with events instead, which would let the host run ahead.
     fn sum_over_nodes(&self, sum: Tensor<Cuda, 1>) -> Result<Tensor<Cuda, 1>, String> {
         let device = sum.device();
         let kept = sum.into_primitive().tensor();
-        // resolving a second reference leaves `kept` registered with Burn's fusion layer
-        let other = kept.clone();
-        let buffer = other
-            .client
-            .clone()
-            .resolve_tensor_float::<CudaInner>(other);
-        let count = buffer.meta.shape().num_elements();
-        if buffer.dtype != DType::F32 || !buffer.is_contiguous() {
-            return Err(format!(
-                "the sum to exchange is not a contiguous f32 buffer ({:?})",
-                buffer.dtype
-            ));
-        }
-        let resource = buffer
-            .client
-            .get_resource(buffer.handle.clone())
-            .map_err(|e| format!("cubecl could not give the sum's buffer: {e:?}"))?;
-        let (pointer, bytes) = (resource.resource().ptr, resource.resource().size);
-        if bytes < (count * size_of::<f32>()) as u64 {
-            return Err(format!(
-                "the sum's buffer holds {bytes} bytes, not {count} f32"
-            ));
-        }
-        <Cuda as Backend>::sync(&device)
-            .map_err(|e| format!("waiting for the sum failed: {e:?}"))?;
+        let (pointer, count, _allocated) = ready_buffer(&kept, &device)?;
         self.comm
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .sum_in_place(pointer, count)?;
-        // `resource` and `buffer` kept the buffer allocated until NCCL was done with it
-        drop((resource, buffer));
+        // `_allocated` kept the buffer allocated until NCCL was done with it
         Ok(Tensor::from_primitive(TensorPrimitive::Float(kept)))
     }
+}
+
+/// The device address and length (in f32) of `tensor`'s buffer once every operation that
+/// writes it has finished, and a guard that keeps the buffer allocated while it is held.
+/// The tensor's pending operations are flushed from Burn's fusion layer into cubecl's stream
+/// of this thread (resolving it), and that stream is waited for (`Backend::sync`).
+fn ready_buffer(
+    tensor: &FloatTensor<Cuda>,
+    device: &CudaDevice,
+) -> Result<(u64, usize, impl Sized + use<>), String> {
+    // resolving a second reference leaves `tensor` registered with the fusion layer
+    let other = tensor.clone();
+    let buffer = other
+        .client
+        .clone()
+        .resolve_tensor_float::<CudaInner>(other);
+    let count = buffer.meta.shape().num_elements();
+    if buffer.dtype != DType::F32 || !buffer.is_contiguous() {
+        return Err(format!(
+            "the sum to exchange is not a contiguous f32 buffer ({:?})",
+            buffer.dtype
+        ));
+    }
+    let resource = buffer
+        .client
+        .get_resource(buffer.handle.clone())
+        .map_err(|e| format!("cubecl could not give the sum's buffer: {e:?}"))?;
+    let (pointer, bytes) = (resource.resource().ptr, resource.resource().size);
+    if bytes < (count * size_of::<f32>()) as u64 {
+        return Err(format!(
+            "the sum's buffer holds {bytes} bytes, not {count} f32"
+        ));
+    }
+    <Cuda as Backend>::sync(device).map_err(|e| format!("waiting for the sum failed: {e:?}"))?;
+    Ok((pointer, count, (resource, buffer)))
 }
 
 /// An NCCL communicator of this process's GPU, and the stream its operations run on.
@@ -304,15 +317,26 @@ fn as_int(value: usize) -> Result<i32, String> {
     i32::try_from(value).map_err(|_| format!("{value} ranks are more than NCCL takes"))
 }
 
-/// An NCCL error with NCCL's own words for it, and the communicator's last error where known.
+/// An NCCL error with NCCL's own words for it, and its last error (of `comm`, or of any
+/// communicator) where the library has `ncclGetLastError` (2.13 and later).
 fn describe(error: &nccl::NcclError, comm: Option<sys::ncclComm_t>) -> String {
+    /// `ncclGetLastError` appeared in NCCL 2.13 (`NCCL_VERSION_CODE` 21300).
+    const LAST_ERROR_SINCE: i32 = 21300;
     // SAFETY: NCCL returns static, NUL-terminated strings (or null, checked) for any result
-    // and for its last error (null communicator: the last error of any).
-    let text = |p: *const c_char| unsafe { (!p.is_null()).then(|| CStr::from_ptr(p)) };
+    // and for its last error.
+    let text = |p: *const c_char| unsafe {
+        (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
+    };
+    // SAFETY: takes any result code.
     let name = text(unsafe { sys::ncclGetErrorString(error.0) });
-    let last = text(unsafe { sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut())) });
-    let words = |s: Option<&CStr>| s.map(|s| s.to_string_lossy().into_owned());
-    match (words(name), words(last).filter(|l| !l.is_empty())) {
+    let last = match nccl::get_nccl_version() {
+        // SAFETY: the symbol exists in this version; a null communicator is allowed.
+        Ok(v) if v >= LAST_ERROR_SINCE => {
+            text(unsafe { sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut())) })
+        }
+        _ => None,
+    };
+    match (name, last.filter(|l| !l.is_empty())) {
         (Some(name), Some(last)) => format!("{:?}: {name} ({last})", error.0),
         (Some(name), None) => format!("{:?}: {name}", error.0),
         (None, _) => format!("{:?}", error.0),
