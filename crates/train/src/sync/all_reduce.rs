@@ -482,6 +482,80 @@ mod tests {
         }
     }
 
+    /// A second machine with the same sums: through the host or on the device (its lengths
+    /// recorded), the sum over the machines is twice this machine's.
+    struct Twin(Mutex<Vec<usize>>);
+
+    impl NodeExchange for Twin {
+        fn nodes(&self) -> usize {
+            2
+        }
+
+        fn sum_over_nodes(&self, values: Vec<f32>) -> Result<Vec<f32>, String> {
+            self.0.lock().unwrap().push(values.len());
+            Ok(values.iter().map(|v| v * 2.0).collect())
+        }
+    }
+
+    impl DeviceExchange<Flex> for Twin {
+        fn sum_over_nodes(&self, sum: Tensor<Flex, 1>) -> Result<Tensor<Flex, 1>, String> {
+            self.0.lock().unwrap().push(sum.dims()[0]);
+            Ok(sum.clone() + sum)
+        }
+    }
+
+    /// Between machines the buckets travel as one flat tensor, by the device exchange where
+    /// there is one (the host path then unused), else through the host, with the same mean.
+    #[test]
+    fn the_sum_over_machines_is_one_call_on_the_device_where_it_can() {
+        for on_device in [false, true] {
+            let (host, device) = (
+                Arc::new(Twin(Mutex::default())),
+                Arc::new(Twin(Mutex::default())),
+            );
+            let device_exchange =
+                on_device.then(|| device.clone() as Arc<dyn DeviceExchange<Flex>>);
+            let sync = Arc::new(InProcessAllReduce::<Flex>::across_nodes(
+                2,
+                Transfer::SameDevice,
+                host.clone(),
+                device_exchange,
+            ));
+            let handles: Vec<_> = [1.0f32, 3.0]
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    let sync = sync.clone();
+                    std::thread::spawn(move || {
+                        let mean = sync
+                            .all_reduce_mean(i, vec![t(&[v, 1.0]), t(&[2.0 * v])], None)
+                            .unwrap();
+                        mean.buckets
+                            .into_iter()
+                            .map(|b| b.into_data().to_vec::<f32>().unwrap())
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for handle in handles {
+                // sums [4, 2], [8] over the replicas, twice that over the machines, over 4
+                assert_eq!(handle.join().unwrap(), [vec![2.0, 1.0], vec![4.0]]);
+            }
+            let calls = |twin: &Twin| twin.0.lock().unwrap().clone();
+            let (used, unused) = if on_device {
+                (&device, &host)
+            } else {
+                (&host, &device)
+            };
+            assert_eq!(
+                calls(used),
+                [3],
+                "one call with both buckets (on_device {on_device})"
+            );
+            assert!(calls(unused).is_empty(), "on_device {on_device}");
+        }
+    }
+
     #[test]
     fn abort_releases_waiting_replicas() {
         let sync = Arc::new(InProcessAllReduce::<Flex>::new(2, Transfer::SameDevice));

@@ -125,7 +125,9 @@ mod tests {
     #[test]
     fn the_start_up_check_names_what_went_wrong() {
         let device = Default::default();
-        let limit = Duration::from_millis(500);
+        // long for the copies that answer (a panic's backtrace, with RUST_BACKTRACE set on a
+        // busy machine, can take seconds), short for the one that does not
+        let (limit, no_answer) = (Duration::from_secs(30), Duration::from_millis(500));
         probe_pair::<Flex>(&device, &device, limit, |t, d| t.to_device(d)).unwrap();
         let err = probe_pair::<Flex>(&device, &device, limit, |t, _| t * 2.0).unwrap_err();
         assert!(err.contains("got back [6.0, -8.0"), "{err}");
@@ -134,7 +136,7 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.contains("panicked: ncclCommInitAll failed"), "{err}");
-        let err = probe_pair::<Flex>(&device, &device, limit, |t, _| {
+        let err = probe_pair::<Flex>(&device, &device, no_answer, |t, _| {
             std::thread::sleep(Duration::from_secs(2));
             t
         })
