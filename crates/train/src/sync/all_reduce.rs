@@ -193,21 +193,12 @@ impl<B: Backend> InProcessAllReduce<B> {
             return Ok(sum.into_iter().map(|s| s.div_scalar(n)).collect());
         };
         let sizes: Vec<usize> = sum.iter().map(|b| b.dims()[0]).collect();
-        // a fresh tensor (cat copies even a lone bucket): the device exchange may sum in place
+        // a fresh tensor that nothing else holds (Burn's CUDA backend copies even a lone
+        // bucket into a new buffer): the device exchange may sum it in place
         let flat = Tensor::cat(sum, 0);
         let total = match &self.on_device {
             Some(exchange) => exchange.sum_over_nodes(flat)?,
-            None => {
-                let device = flat.device();
-                let values = flat
-                    .into_data()
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .map_err(|e| format!("{e:?}"))?;
-                let len = values.len();
-                let total = nodes.sum_over_nodes(values)?;
-                Tensor::<B, 1>::from_data(TensorData::new(total, [len]), &device)
-            }
+            None => sum_through_host(nodes.as_ref(), flat)?,
         };
         let n = (self.replicas * nodes.nodes()) as f64;
         let mut offset = 0;
@@ -220,6 +211,22 @@ impl<B: Backend> InProcessAllReduce<B> {
             })
             .collect())
     }
+}
+
+/// `flat` summed over the machines by `nodes` through host memory, back on its device.
+fn sum_through_host<B: Backend>(
+    nodes: &dyn NodeExchange,
+    flat: Tensor<B, 1>,
+) -> Result<Tensor<B, 1>, String> {
+    let device = flat.device();
+    let values = flat
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))?;
+    let len = values.len();
+    let total = nodes.sum_over_nodes(values)?;
+    Ok(Tensor::from_data(TensorData::new(total, [len]), &device))
 }
 
 impl<B: Backend> InProcessAllReduce<B> {
