@@ -63,6 +63,6 @@ pub fn device_exchange<B: Backend>(
     #[cfg(not(all(feature = "cuda", feature = "mpi")))]
     {
         let _ = (device, nodes);
-        Err("built without the cuda feature".into())
+        Err("NCCL between the processes needs a build with both the cuda and mpi features".into())
     }
 }
