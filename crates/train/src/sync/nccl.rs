@@ -6,7 +6,7 @@
 //! devices are CUDA GPUs and that libnccl loads; rank 0 creates NCCL's unique id and
 //! broadcasts it over MPI; every process joins the communicator (`ncclCommInitRank`, one rank
 //! per process) and all-reduces a small known vector, which must come back as the expected
-//! sum within [`CHECK_LIMIT`]. After each stage a tiny `MPI_Allreduce` of the verdicts makes
+//! sum within a minute. After each stage a tiny `MPI_Allreduce` of the verdicts makes
 //! every process fall back to MPI through host memory if any one failed.
 //!
 //! NCCL's all-reduce leaves the same bits on every rank: its ring and tree algorithms form
@@ -188,7 +188,7 @@ struct NcclExchange {
 
 impl DeviceExchange<Cuda> for NcclExchange {
     /// The ordering with cubecl's streams, correctness before speed: the buffer is made ready
-    /// ([`ready_buffer`]: every operation that writes it finished) before NCCL reads it; NCCL
+    /// (`ready_buffer`: every operation that writes it finished) before NCCL reads it; NCCL
     /// runs on a stream of its own, which is waited for before the tensor is handed back, so
     /// every later kernel, on any stream, is queued after NCCL has written. Both waits block
     /// this thread (nothing overlaps the exchange); cubecl's own in-process all-reduce orders
