@@ -1,7 +1,9 @@
 //! Developer and dataset tasks: `cargo xtask prepare-data`, `cargo xtask inspect`,
-//! `cargo xtask bench`, `cargo xtask launches`, `cargo xtask coco-file`.
+//! `cargo xtask bench`, `cargo xtask launches`, `cargo xtask coco-file`, `cargo xtask
+//! check-book`.
 
 mod bench;
+mod book;
 mod coco_file;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod launches;
@@ -36,6 +38,13 @@ struct Cli {
 enum Command {
     /// Prepare training shards. Without a source: the built-in synthetic cats-and-dogs set.
     PrepareData(PrepareArgs),
+    /// Check the guide (docs/src) and README.md: chapters, links and anchors, and every
+    /// `train` / `cargo xtask` command against the built binaries' --help.
+    CheckBook {
+        /// The repository's root.
+        #[arg(long, default_value = ".")]
+        root: PathBuf,
+    },
     /// Print every record's fields (except the image bytes) as JSON lines, then a summary.
     Inspect {
         /// TFRecord files, globs or `base@N` shard specs.
@@ -169,6 +178,10 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::PrepareData(args) => prepare(args),
         Command::Inspect { records } => inspect(&records),
+        Command::CheckBook { root } => {
+            let exe = std::env::current_exe().context("finding this program")?;
+            book::check(&root, exe.parent().unwrap_or(Path::new(".")))
+        }
         Command::Bench {
             out,
             repeats,

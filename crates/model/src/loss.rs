@@ -43,7 +43,7 @@ impl<B: SsdBackend> LossParts<Autodiff<B>> {
     /// to each kernel's gradient in one pass. As graph nodes it cost a product per kernel, a
     /// one-threaded sum into the kernel's gradient and the nodes' bookkeeping: its value and
     /// gradient took 19.5-22.1 ms a step that way and take 3.9-4.7 ms now (default network,
-    /// two cores; docs/perf.md).
+    /// two cores).
     pub fn gradients(&self, model: &Ssd<Autodiff<B>>) -> GradientsParams {
         let mut grads = GradientsParams::from_grads(self.total.backward(), model);
         for kernel in model.kernels() {

@@ -4,7 +4,7 @@
 //! allocator returns them to the kernel and faults them back in zero-filled; mimalloc by
 //! default does the same after a one-second "purge delay", about the length of one 300x300
 //! batch-8 step on two cores. Without [`keep_freed_memory`] 13.5% of such a step went to
-//! zeroing pages (`clear_page_erms`, measured with `perf`; docs/perf.md).
+//! zeroing pages (`clear_page_erms`, measured with `perf`).
 
 use libmimalloc_sys::{mi_option_get, mi_option_set, mi_option_t};
 

@@ -272,7 +272,7 @@ fn two_replicas_equal_gradient_averaging_on_the_generic_operations() {
 /// A measurement, not a check (`cargo test --release --workspace --test learner --
 /// --ignored`, needs `datasets/synthetic`): configs/synthetic.json for 20 steps on two
 /// replicas of burn-flex and of burn-ndarray, each step's loss printed side by side. Two
-/// correct CPU backends drift apart by rounding as wgpu and the CPU do (docs/perf.md).
+/// correct CPU backends drift apart by rounding as wgpu and the CPU do (docs/src/performance.md).
 #[test]
 #[ignore = "a measurement of several minutes"]
 fn two_cpu_backends_drift_apart_on_the_synthetic_config() {

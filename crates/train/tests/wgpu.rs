@@ -50,7 +50,7 @@ fn cpu<B: SsdBackend>(replicas: usize) -> Vec<B::Device> {
 /// step's loss within 1%: rounding differences
 /// in the first update grow fast in this tiny network (hard example mining is a selection,
 /// and 1x1 feature maps are normalised over two images): two CPU backends differ by 0.05%
-/// at the second step and by 2% within twenty (docs/perf.md).
+/// at the second step and by 2% within twenty (docs/src/performance.md).
 #[test]
 fn four_wgpu_devices_train_like_four_cpu_replicas_and_stay_identical() {
     let Some(devices) = wgpu_devices(&[0, 1, 2, 3]) else {

@@ -301,7 +301,7 @@ pub trait SsdBackend: Backend {
     /// this backend's kernels start fastest. In place by default; the CPU backend runs it on
     /// a thread of rayon's pool, so that each kernel's parallel loop starts on that thread
     /// instead of being handed from the caller's thread to the pool and back (which cost a
-    /// quarter of a batch-1 forward pass on one core; docs/perf.md). `f` must not wait for
+    /// quarter of a batch-1 forward pass on one core). `f` must not wait for
     /// other work on the pool, such as another replica's step.
     fn on_compute_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         f()
