@@ -32,7 +32,7 @@ pub fn check(root: &Path, bin_dir: &Path) -> Result<()> {
         }
     }
     for problem in &problems {
-        println!("{problem}");
+        eprintln!("{problem}");
     }
     if !problems.is_empty() {
         bail!("{} problems in the guide", problems.len());
@@ -422,7 +422,12 @@ impl Help {
         Ok(flags
             .into_iter()
             .filter(|f| !has_flag(&text, f))
-            .map(|f| format!("`{program} {sub} --help` lists no {f}"))
+            .map(|f| {
+                format!(
+                    "`{}` lists no {f}",
+                    [program, sub, "--help"].join(" ").replace("  ", " ")
+                )
+            })
             .collect())
     }
 }
