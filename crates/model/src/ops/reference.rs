@@ -5,7 +5,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::module::conv2d;
 use burn::tensor::ops::{ConvOptions, ConvTransposeOptions, FloatTensor, PadMode};
-use burn::tensor::{Tensor, TensorMetadata, s};
+use burn::tensor::{Tensor, TensorMetadata};
 
 use super::cpu::same_padding;
 use super::{
