@@ -447,6 +447,21 @@ pub(crate) fn depthwise_filter_grad<B: SsdBackend>(layer: &DepthwiseLayer<B>, bu
     let _ = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(filter_grad)).into_data();
 }
 
+/// One depthwise layer's backward pass as trained (input and filter gradients); returns once
+/// both are computed: the filter gradient is read back while the input gradient is held, and
+/// the read runs everything queued before it.
+pub(crate) fn depthwise_backward<B: SsdBackend>(layer: &DepthwiseLayer<B>) {
+    let [x, weight, grad] =
+        [&layer.x, &layer.weight, &layer.grad].map(|t| t.clone().into_primitive().tensor());
+    let wanted = ConvGradsWanted {
+        x: true,
+        bias: false,
+    };
+    let grads = B::conv_same_backward(x, weight, grad, layer.stride, true, wanted);
+    let _ = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(grads.weight)).into_data();
+    drop(grads.x);
+}
+
 fn depthwise_case<B: SsdBackend>(
     device: &B::Device,
     batch: usize,

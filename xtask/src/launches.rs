@@ -1,5 +1,5 @@
 //! `cargo xtask launches`: kernel launches on a GPU (wgpu or CUDA) per training step and per
-//! depthwise filter gradient, counted in cubecl's execution log (one `Executing` line per
+//! depthwise layer's backward pass, counted in cubecl's execution log (one `Executing` line per
 //! launch, written by a background thread: counts are read once the log stops growing).
 
 use std::path::{Path, PathBuf};
@@ -14,7 +14,7 @@ use train::devices::{BackendJob, parse_device};
 use train::learner::TrainingJob;
 
 use crate::bench::{
-    bench_config, depthwise_filter_grad, depthwise_inputs, depthwise_layers, quiet_run,
+    bench_config, depthwise_backward, depthwise_inputs, depthwise_layers, quiet_run,
 };
 
 /// What to count.
@@ -78,17 +78,17 @@ pub fn run(request: &Request) -> Result<()> {
         log: log.clone(),
     })?;
     println!(
-        "depthwise filter gradient launches per layer (channels, size, stride: as trained / Burn's grouped convolution):"
+        "depthwise backward launches per layer (channels, size, stride: input and filter gradients):"
     );
-    for (layer, counts) in depthwise_layers().iter().zip(&layers) {
-        println!("  {layer:?}: {} / {}", counts[0], counts[1]);
+    for (layer, count) in depthwise_layers().iter().zip(&layers) {
+        println!("  {layer:?}: {count}");
     }
     let report = json!({
         "device": request.device,
         "batch": request.batch,
         "training_steps": steps,
         "depthwise_layers": depthwise_layers().iter().zip(&layers).map(|(l, c)| json!({
-            "channels": l.0, "size": l.1, "stride": l.2, "as_trained": c[0], "burn_grouped": c[1],
+            "channels": l.0, "size": l.1, "stride": l.2, "backward": c,
         })).collect::<Vec<_>>(),
     });
     std::fs::write(&request.out, serde_json::to_string_pretty(&report)?)
@@ -120,27 +120,25 @@ fn step_launches(request: &Request, path: &Path, scratch: &Path, log: &Path) -> 
     Ok((three as f64 - one as f64) / 2.0)
 }
 
-/// Launches of each depthwise layer's filter gradient: `[as trained, Burn's]`, each counted
-/// on a second call (the first compiles and tunes).
+/// Launches of each depthwise layer's backward pass (input and filter gradients), counted on a
+/// second call (the first compiles and tunes).
 struct DepthwiseLaunches {
     batch: usize,
     log: PathBuf,
 }
 
 impl BackendJob for DepthwiseLaunches {
-    type Output = Vec<[usize; 2]>;
+    type Output = Vec<usize>;
     fn run<B: SsdBackend>(self, devices: Vec<B::Device>) -> Result<Self::Output> {
         let device = devices.into_iter().next().context("one device")?;
         let layers = depthwise_inputs::<B>(&device, self.batch);
         let counts = layers
             .iter()
             .map(|layer| {
-                [false, true].map(|burn| {
-                    depthwise_filter_grad(layer, burn);
-                    let before = settled(&self.log);
-                    depthwise_filter_grad(layer, burn);
-                    settled(&self.log) - before
-                })
+                depthwise_backward(layer);
+                let before = settled(&self.log);
+                depthwise_backward(layer);
+                settled(&self.log) - before
             })
             .collect();
         Ok(counts)

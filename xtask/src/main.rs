@@ -68,8 +68,8 @@ enum Command {
         #[arg(long)]
         wgpu: bool,
     },
-    /// Kernel launches on a GPU per training step (each config) and per depthwise filter
-    /// gradient (as trained and by Burn's grouped convolution), from cubecl's execution log.
+    /// Kernel launches on a GPU per training step (each config) and per depthwise layer's
+    /// backward pass (input and filter gradients), from cubecl's execution log.
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     Launches {
         /// `wgpu` (the default adapter) or a CUDA ordinal.

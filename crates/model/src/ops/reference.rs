@@ -4,8 +4,8 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::module::conv2d;
-use burn::tensor::ops::{ConvOptions, FloatTensor, PadMode};
-use burn::tensor::{Tensor, TensorMetadata, s};
+use burn::tensor::ops::{ConvOptions, ConvTransposeOptions, FloatTensor, PadMode};
+use burn::tensor::{Tensor, TensorMetadata};
 
 use super::cpu::same_padding;
 use super::{
@@ -103,11 +103,32 @@ pub fn conv_same_backward<B: Backend>(
     depthwise: bool,
     wanted: ConvGradsWanted,
 ) -> ConvGrads<B> {
+    let bias = wanted.bias.then(|| {
+        let grad = tensor::<B, 4>(grad.clone());
+        let channels = grad.dims()[1];
+        prim(channel_sums(grad).reshape([channels]))
+    });
+    let (x, weight) = if depthwise {
+        depthwise_grads::<B>(x, weight, grad, stride, wanted.x)
+    } else {
+        dense_grads::<B>(x, weight, grad, stride, wanted.x)
+    };
+    ConvGrads { x, weight, bias }
+}
+
+/// The input (when `want_x`) and filter gradients of a dense convolution, by Burn's own.
+fn dense_grads<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    stride: usize,
+    want_x: bool,
+) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
     let [batch, in_channels, h, w] = x.shape().dims();
     let kernel = weight.shape().dims::<4>()[2];
-    let same = Same::new(&x, kernel, stride, groups(&x, depthwise));
-    let input = same.input::<B>(x.clone());
-    let dx = wanted.x.then(|| {
+    let same = Same::new(&x, kernel, stride, 1);
+    let input = same.input::<B>(x);
+    let dx = want_x.then(|| {
         let dx = B::conv2d_x_backward(
             input.clone(),
             weight.clone(),
@@ -120,61 +141,99 @@ pub fn conv_same_backward<B: Backend>(
         let (left, _, top, _) = same.pads;
         prim(tensor::<B, 4>(dx).slice([0..batch, 0..in_channels, top..top + h, left..left + w]))
     });
-    let dweight = if depthwise {
-        let padded = if same.folded() {
-            padded::<B>(x, same.pads)
-        } else {
-            input
-        };
-        prim(depthwise_weight_grad::<B>(
-            tensor(padded),
-            tensor(grad.clone()),
-            kernel,
-            stride,
-        ))
-    } else {
-        B::conv2d_weight_backward(input, weight, grad.clone(), same.options)
-    };
-    let grad = tensor::<B, 4>(grad);
-    let channels = grad.dims()[1];
-    ConvGrads {
-        x: dx,
-        weight: dweight,
-        bias: wanted
-            .bias
-            .then(|| prim(channel_sums(grad).reshape([channels]))),
-    }
+    let dweight = B::conv2d_weight_backward(input, weight, grad, same.options);
+    (dx, dweight)
 }
 
-/// The weight gradient of a depthwise convolution of the (already padded) input: for each
-/// tap of the kernel, the strided window of the input that the tap sees times the output
-/// gradient, summed over the batch and space; all taps in one product and one sum. Burn's
-/// grouped weight gradient on its GPU backends loops over the groups instead (a slice, a
-/// convolution and a slice assignment per channel: thousands of kernel launches a step).
-fn depthwise_weight_grad<B: Backend>(
-    padded: Tensor<B, 4>,
+/// The input (when `want_x`) and filter gradients of a depthwise convolution, each one
+/// whole-tensor convolution whatever the channel count, with the SAME pads folded into it
+/// (no padded copy of the input). Burn's grouped gradients loop over the channels on its GPU
+/// backends instead: a slice, a convolution and a slice assignment per channel, thousands of
+/// kernel launches a step.
+fn depthwise_grads<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    stride: usize,
+    want_x: bool,
+) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
+    let [_, _, h, w] = x.shape().dims();
+    let kernel = weight.shape().dims::<4>()[2];
+    let dx = want_x.then(|| depthwise_input_grad::<B>(weight, grad.clone(), [h, w], stride));
+    let dweight = depthwise_filter_grad::<B>(tensor(x), tensor(grad), kernel, stride);
+    (dx, prim(dweight))
+}
+
+/// The input gradient of a depthwise convolution of an input `size` (`[h, w]`): the grouped
+/// transposed convolution of the output gradient, which covers the padded input; cropping
+/// the top / left pads from both ends leaves the bottom / right pad's surplus to cut off, or a
+/// last row / column that no output read (a 1x1 filter of stride 2 on an even size) to add
+/// as `padding_out`.
+fn depthwise_input_grad<B: Backend>(
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    size: [usize; 2],
+    stride: usize,
+) -> FloatTensor<B> {
+    let [batch, channels, rows, cols] = grad.shape().dims();
+    let kernel = weight.shape().dims::<4>()[2];
+    // the transposed convolution's size cropped by `before` at both ends: `(before, size)`
+    let cropped = |input, out: usize| {
+        let (_, before, _) = same_padding(input, kernel, stride);
+        (before, (out - 1) * stride + kernel - 2 * before)
+    };
+    let ((top, height), (left, width)) = (cropped(size[0], rows), cropped(size[1], cols));
+    let options = ConvTransposeOptions::new(
+        [stride, stride],
+        [top, left],
+        [
+            size[0].saturating_sub(height),
+            size[1].saturating_sub(width),
+        ],
+        [1, 1],
+        channels,
+    );
+    let dx = tensor::<B, 4>(B::conv_transpose2d(grad, weight, None, options));
+    if height <= size[0] && width <= size[1] {
+        return prim(dx);
+    }
+    prim(dx.slice([0..batch, 0..channels, 0..size[0], 0..size[1]]))
+}
+
+/// The filter gradient of a depthwise convolution, tap `(ky, kx)` of channel `c` being
+/// `sum over n, i, j of padded[n, c, ky + stride i, kx + stride j] grad[n, c, i, j]`: one
+/// grouped convolution with a group per channel, whose input channels are that channel's
+/// images, whose filter is that channel's output gradients (dilated by the stride) and whose
+/// output is the channel's taps. Its padding is the larger SAME pad on every side, so the
+/// taps start `after - before` rows / columns in. Both operands are laid out channels last
+/// (the images of a channel next to each other), the order Burn's GPU convolution reads, so
+/// that it copies neither again.
+fn depthwise_filter_grad<B: Backend>(
+    x: Tensor<B, 4>,
     grad: Tensor<B, 4>,
     kernel: usize,
     stride: usize,
 ) -> Tensor<B, 4> {
-    let [batch, channels, rows, cols] = grad.dims();
-    let taps = kernel * kernel;
-    let windows = (0..taps)
-        .map(|tap| {
-            let (ky, kx) = (tap / kernel, tap % kernel);
-            let (y_end, x_end) = (ky + stride * (rows - 1) + 1, kx + stride * (cols - 1) + 1);
-            padded
-                .clone()
-                .slice(s![.., .., ky..y_end;stride, kx..x_end;stride])
-        })
-        .collect();
-    let products = Tensor::<B, 4>::stack::<5>(windows, 0) * grad.unsqueeze_dim::<5>(0);
-    products
-        .reshape([taps, batch, channels, rows * cols])
-        .sum_dim(3)
-        .sum_dim(1)
-        .reshape([taps, channels])
-        .transpose()
+    let [batch, channels, h, w] = x.dims();
+    let [_, _, rows, cols] = grad.dims();
+    // `(padding, first tap)` of one dimension
+    let pads = |size| {
+        let (_, before, after) = same_padding(size, kernel, stride);
+        (after, after - before)
+    };
+    let ((pad_y, top), (pad_x, left)) = (pads(h), pads(w));
+    let images = x
+        .permute([2, 3, 1, 0])
+        .reshape([1, h, w, channels * batch])
+        .permute([0, 3, 1, 2]);
+    let filters = grad
+        .permute([1, 2, 3, 0])
+        .reshape([channels, rows * cols * batch])
+        .reshape([channels, rows, cols, batch])
+        .permute([0, 3, 1, 2]);
+    let options = ConvOptions::new([1, 1], [pad_y, pad_x], [stride, stride], channels);
+    conv2d(images, filters, None, options)
+        .slice([0..1, 0..channels, top..top + kernel, left..left + kernel])
         .reshape([channels, 1, kernel, kernel])
 }
 
