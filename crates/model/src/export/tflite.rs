@@ -389,7 +389,6 @@ impl Graph {
         });
     }
 
-    /// Adds `conv` on `input` (`[1, h, w, c]`); returns the output tensor and its `(h, w)`.
     /// Adds `conv` on `input` (`[1, h, w, c]`), its output of type `out`; returns the output
     /// tensor and its `(h, w)`. The weights are int8 where the input is.
     fn conv(
@@ -551,8 +550,9 @@ fn op_version(code: i32, input_int8: bool) -> i32 {
     }
 }
 
-/// The graph's input tensor and the int8 (or float32) tensor the first convolution reads.
-fn add_input(g: &mut Graph, [h, w]: [usize; 2], int8: Option<&Int8>) -> (i32, i32) {
+/// Adds the graph's input; returns the tensor the first convolution reads: the input, or for
+/// an int8 network whose input is not int8, the input quantized.
+fn add_input(g: &mut Graph, [h, w]: [usize; 2], int8: Option<&Int8>) -> i32 {
     let shape = [1, h, w, 3];
     let elem = match int8.map(|q| q.input) {
         None | Some(InputType::Float32) => Elem::FLOAT32,
@@ -570,18 +570,17 @@ fn add_input(g: &mut Graph, [h, w]: [usize; 2], int8: Option<&Int8>) -> (i32, i3
     let input = g.tensor(INPUT_NAME, &shape, elem);
     g.inputs.push(input);
     if !needs_quantize {
-        return (input, input);
+        return input;
     }
     let int8_input = Elem::quantized(INT8, Affine::INPUT);
-    let name = format!("{INPUT_NAME}/int8");
-    (input, g.unary(QUANTIZE, input, name, int8_input))
+    g.unary(QUANTIZE, input, format!("{INPUT_NAME}/int8"), int8_input)
 }
 
 /// The whole inference graph of `net` with the post-processing op, int8 up to it with `int8`.
 fn build_graph(net: &FrozenNetwork, options: &PostProcessOptions, int8: Option<&Int8>) -> Graph {
     let mut g = Graph::new();
     let acts = int8.map(|q| &q.activations);
-    let (_, mut x) = add_input(&mut g, net.image_size, int8);
+    let mut x = add_input(&mut g, net.image_size, int8);
     let mut hw = (net.image_size[0], net.image_size[1]);
     let mut maps = Vec::new();
     for (i, conv) in net.trunk.iter().enumerate() {

@@ -118,7 +118,9 @@ impl Quantization {
     /// The activation ranges of `net` over the calibration images, preprocessed as for
     /// inference (resized, scaled to `[-1, 1]`, no augmentation).
     fn calibrate(&self, net: &Ssd<Flex>, config: &SsdConfig) -> Result<Calibration> {
-        let index = RecordIndex::build(&expand_patterns(&self.data)?)?;
+        let what = "the calibration records (--calibration-data, or the config's data.train)";
+        let files = expand_patterns(&self.data).context(what)?;
+        let index = RecordIndex::build(&files).context(what)?;
         if index.is_empty() {
             bail!("--calibration-data: no records in {:?}", self.data);
         }
