@@ -3,7 +3,8 @@
 # own event reader on the event file (tags, steps and values against metrics.jsonl, the
 # evaluation images) and the `safetensors` package on `train export`; and runs the TFLite and
 # ONNX exports of that run and of the TF-written 37-class pets-config fixture in TFLite
-# (`ai-edge-litert`) and ONNX Runtime against our Detector (scripts/deploy_check.py). Uses the
+# (`ai-edge-litert`) and ONNX Runtime against our Detector (scripts/deploy_check.py), and the
+# run's int8 TFLite export next to its float one on held-out images (scripts/int8_check.py). Uses the
 # release binaries and the `reference_outputs` example (build them first: `cargo build
 # --release --workspace --all-targets`); the Python packages go into a venv under target/
 # (PYTHON_READERS_VENV to choose another). Without PyPI access the venv cannot be made: the
@@ -11,9 +12,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${PYTHON_READERS_VENV:-target/python-readers}
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import tensorboard, safetensors, numpy, onnxruntime, ai_edge_litert" 2>/dev/null; then
-  if ! { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet tensorboard safetensors numpy onnxruntime ai-edge-litert; }; then
-    echo "python-readers: could not install tensorboard/safetensors/onnxruntime/ai-edge-litert into $venv: check skipped" >&2
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import tensorboard, safetensors, numpy, onnxruntime, ai_edge_litert, PIL" 2>/dev/null; then
+  if ! { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet tensorboard safetensors numpy onnxruntime ai-edge-litert pillow; }; then
+    echo "python-readers: could not install tensorboard/safetensors/onnxruntime/ai-edge-litert/pillow into $venv: check skipped" >&2
     [ "${PYTHON_READERS_REQUIRED:-0}" = 1 ] && exit 1
     exit 0
   fi
@@ -44,4 +45,19 @@ deploy_check() { # NAME, then the model arguments of `train export`
 }
 deploy_check synthetic --model-dir "$work/run" --config configs/synthetic.json
 deploy_check pets --model-dir crates/model/tests/fixtures/tf/ssd/model.ckpt \
+  --config scripts/tf-fixtures/pipeline.config
+# the int8 exports, calibrated on the run's training records (the pets config's own input is a
+# placeholder), against their float exports on the held-out records; the pets fixture's small
+# network keeps more of its size in the float32 anchors and the int32 biases
+int8_check() { # NAME, MAX_SIZE_RATIO, then the model arguments of `train export`
+  local name=$1 ratio=$2
+  shift 2
+  "$bin/train" export "$@" --format tflite --quantize int8 \
+    --calibration-data "$work/data/train.record-*" --out "$work/$name.int8.tflite" \
+    >/dev/null 2>>"$work/train.log" || { cat "$work/train.log" >&2; exit 1; }
+  "$venv/bin/python" scripts/int8_check.py "$work/$name.tflite" "$work/$name.int8.tflite" \
+    --max-size-ratio "$ratio" "$work"/data/val.record-*
+}
+int8_check synthetic 0.3 --model-dir "$work/run" --config configs/synthetic.json
+int8_check pets 0.45 --model-dir crates/model/tests/fixtures/tf/ssd/model.ckpt \
   --config scripts/tf-fixtures/pipeline.config

@@ -56,6 +56,9 @@ pub enum ModelError {
         /// Its value (NaN or an infinity).
         value: f32,
     },
+    /// A network cannot be quantized as asked.
+    #[error("int8 quantization: {0}")]
+    Quantization(String),
     /// A config or weights file could not be decoded.
     #[error("cannot decode {path}: {problem}")]
     Decode {

@@ -1,5 +1,7 @@
 //! The TFLite and ONNX exports parse back: the flatbuffer passes a verifier written from the
-//! TFLite schema and every tensor has the documented name, shape and type; the ONNX protobuf
+//! TFLite schema and every tensor has the documented name, shape and type; the int8 export's
+//! quantization parameters are those of TFLite's int8 specification and its integers code the
+//! float export's weights; the ONNX protobuf
 //! decodes, its graph is topologically ordered with every initializer's data of its shape; a
 //! setting the TFLite post-processing op cannot express is an error naming it. (Their numbers
 //! against TFLite and ONNX Runtime: `scripts/deploy_check.py`.)
@@ -13,7 +15,7 @@ use model::export::onnx_proto::{FLOAT, INT64, ModelProto, TensorProto, ValueInfo
 use model::export::tflite::{
     BOX_ENCODINGS_NAME, CLASS_PREDICTIONS_NAME, FILE_IDENTIFIER, POSTPROCESS_OP,
 };
-use model::export::{to_onnx, to_tflite, write_tflite};
+use model::export::{Calibration, InputType, Precision, to_onnx, to_tflite, write_tflite};
 use model::{Ssd, SsdConfig};
 use prost::Message;
 
@@ -42,11 +44,14 @@ struct TensorT;
 struct OperatorT;
 struct OperatorCodeT;
 struct BufferT;
+struct QuantizationT;
 struct AnyTableT;
 
 type Tables<T> = ForwardsUOffset<Vector<'static, ForwardsUOffset<T>>>;
 type Ints = ForwardsUOffset<Vector<'static, i32>>;
 type Bytes = ForwardsUOffset<Vector<'static, u8>>;
+type Floats = ForwardsUOffset<Vector<'static, f32>>;
+type Longs = ForwardsUOffset<Vector<'static, i64>>;
 type Str = ForwardsUOffset<&'static str>;
 type Res = Result<(), InvalidFlatbuffer>;
 
@@ -83,6 +88,20 @@ impl Verifiable for TensorT {
             .visit_field::<i8>("type", slot(1), false)?
             .visit_field::<u32>("buffer", slot(2), false)?
             .visit_field::<Str>("name", slot(3), true)?
+            .visit_field::<ForwardsUOffset<QuantizationT>>("quantization", slot(4), false)?
+            .finish();
+        Ok(())
+    }
+}
+
+impl Verifiable for QuantizationT {
+    fn run_verifier(v: &mut Verifier, pos: usize) -> Res {
+        v.visit_table(pos)?
+            .visit_field::<Floats>("min", slot(0), false)?
+            .visit_field::<Floats>("max", slot(1), false)?
+            .visit_field::<Floats>("scale", slot(2), false)?
+            .visit_field::<Longs>("zero_point", slot(3), false)?
+            .visit_field::<i32>("quantized_dimension", slot(6), false)?
             .finish();
         Ok(())
     }
@@ -160,6 +179,17 @@ impl<'a> Reader<'a> {
         v.map(|v| v.iter().collect()).unwrap_or_default()
     }
 
+    fn vector<T: flatbuffers::Follow<'a, Inner = T> + 'a>(&self, id: u16) -> Vec<T> {
+        // SAFETY: verified, as above.
+        let v = unsafe { self.0.get::<ForwardsUOffset<Vector<'a, T>>>(slot(id), None) };
+        v.map(|v| v.iter().collect()).unwrap_or_default()
+    }
+
+    fn table(&self, id: u16) -> Option<Reader<'a>> {
+        // SAFETY: verified, as above.
+        unsafe { self.0.get::<ForwardsUOffset<Table<'a>>>(slot(id), None) }.map(Reader)
+    }
+
     fn bytes(&self, id: u16) -> &'a [u8] {
         // SAFETY: verified, as above.
         let v = unsafe {
@@ -211,7 +241,7 @@ fn tensor_info<'a>(t: &Reader<'a>) -> TensorInfo<'a> {
 #[test]
 fn tflite_flatbuffer_verifies_with_the_documented_tensors() {
     let config = config();
-    let bytes = to_tflite(&network(&config), &config).unwrap();
+    let bytes = to_tflite(&network(&config), &config, Precision::Float32).unwrap();
     let model = verified_model(&bytes);
     assert_eq!(model.scalar::<u32>(0, 0), 3);
     let subgraphs = model.tables(2);
@@ -324,10 +354,10 @@ fn tflite_file_is_written_whole() {
     let net = network(&config);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.tflite");
-    write_tflite(&net, &config, &path).unwrap();
+    write_tflite(&net, &config, Precision::Float32, &path).unwrap();
     assert_eq!(
         std::fs::read(&path).unwrap(),
-        to_tflite(&net, &config).unwrap()
+        to_tflite(&net, &config, Precision::Float32).unwrap()
     );
 }
 
@@ -336,10 +366,300 @@ fn settings_the_tflite_op_lacks_are_errors_naming_them() {
     let mut config = config();
     let net = network(&config);
     config.post_processing.iou_threshold = 0.0;
-    let err = to_tflite(&net, &config).unwrap_err().to_string();
+    let err = to_tflite(&net, &config, Precision::Float32)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("post_processing.iou_threshold"), "{err}");
     // ONNX leaves NMS to the caller: the same config exports
     to_onnx(&net, &config).unwrap();
+}
+
+// `TensorType`s and `BuiltinOperator`s of TFLite's schema.
+const FLOAT32: i8 = 0;
+const INT32: i8 = 2;
+const UINT8: i8 = 3;
+const INT8: i8 = 9;
+const CONCATENATION: i32 = 2;
+const CONV_2D: i32 = 3;
+const DEPTHWISE_CONV_2D: i32 = 4;
+const DEQUANTIZE: i32 = 6;
+const LOGISTIC: i32 = 14;
+const RESHAPE: i32 = 22;
+const CUSTOM: i32 = 32;
+const QUANTIZE: i32 = 114;
+
+/// A tensor with its quantization and its constant data (empty for activations).
+struct QTensor<'a> {
+    name: &'a str,
+    shape: Vec<i32>,
+    dtype: i8,
+    data: &'a [u8],
+    scale: Vec<f32>,
+    zero_point: Vec<i64>,
+    axis: i32,
+}
+
+impl QTensor<'_> {
+    /// int8 with one scale and one zero point in range, as every int8 activation.
+    fn assert_int8_per_tensor(&self) {
+        assert_eq!(self.dtype, INT8, "{}", self.name);
+        assert_eq!(self.scale.len(), 1, "{}", self.name);
+        assert!(
+            self.scale[0] > 0.0 && self.scale[0].is_finite(),
+            "{}",
+            self.name
+        );
+        assert!((-128..=127).contains(&self.zero_point[0]), "{}", self.name);
+        assert_eq!(self.zero_point.len(), 1, "{}", self.name);
+    }
+
+    fn params(&self) -> (i8, &[f32], &[i64]) {
+        (self.dtype, &self.scale, &self.zero_point)
+    }
+
+    fn floats(&self) -> Vec<f32> {
+        self.data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+}
+
+fn quantized_tensors<'a>(model: &Reader<'a>, graph: &Reader<'a>) -> Vec<QTensor<'a>> {
+    let buffers = model.tables(4);
+    graph
+        .tables(0)
+        .iter()
+        .map(|t| {
+            let q = t.table(4);
+            QTensor {
+                name: t.string(3),
+                shape: t.ints(0),
+                dtype: t.scalar::<i8>(1, 0),
+                data: buffers[t.scalar::<u32>(2, 0) as usize].bytes(0),
+                scale: q.as_ref().map(|q| q.vector::<f32>(2)).unwrap_or_default(),
+                zero_point: q.as_ref().map(|q| q.vector::<i64>(3)).unwrap_or_default(),
+                axis: q.map(|q| q.scalar::<i32>(6, 0)).unwrap_or(0),
+            }
+        })
+        .collect()
+}
+
+/// The activation ranges of `net` over two random images.
+fn calibrated(net: &Ssd<Flex>, config: &SsdConfig) -> Calibration {
+    use burn::tensor::{Distribution, Tensor};
+    let [h, w] = config.image_size;
+    let images = Tensor::<Flex, 4>::random(
+        [2, 3, h, w],
+        Distribution::Uniform(-1.0, 1.0),
+        &Default::default(),
+    );
+    let mut calibration = Calibration::default();
+    calibration.observe(net, images).unwrap();
+    assert_eq!(calibration.images(), 2);
+    calibration
+}
+
+fn int8_export(net: &Ssd<Flex>, config: &SsdConfig, input: InputType) -> Vec<u8> {
+    let calibration = calibrated(net, config);
+    let precision = Precision::Int8 {
+        calibration: &calibration,
+        input,
+    };
+    to_tflite(net, config, precision).unwrap()
+}
+
+fn close(a: f32, b: f32) -> bool {
+    (a - b).abs() <= 1e-6 * a.abs().max(b.abs())
+}
+
+/// A convolution as the specification has it: int8 input and output per tensor (ReLU6
+/// layers: a range within `[0, 6]` from 0), weights int8 per channel along `axis` with zero
+/// points 0, codes in `[-127, 127]` that are the float weights to half a step, the largest
+/// of each channel coded 127; the bias int32 with scale `input_scale * weight_scale`.
+fn check_int8_conv(io: (&QTensor, &QTensor), kernel: &QTensor, bias: &QTensor, float: &[QTensor]) {
+    let (input, output) = io;
+    input.assert_int8_per_tensor();
+    output.assert_int8_per_tensor();
+    if output.name.ends_with("Relu6") {
+        assert_eq!(output.zero_point, vec![-128], "{}", output.name);
+        assert!(
+            output.scale[0] * 255.0 <= 6.0 * (1.0 + 1e-6),
+            "{}",
+            output.name
+        );
+    }
+    let by_name = |name: &str| float.iter().find(|t| t.name == name).unwrap().floats();
+    let depthwise = kernel.shape[0] == 1 && bias.shape[0] > 1;
+    let axis = if depthwise { 3 } else { 0 };
+    let channels = kernel.shape[axis] as usize;
+    assert_eq!(
+        (kernel.dtype, kernel.axis),
+        (INT8, axis as i32),
+        "{}",
+        kernel.name
+    );
+    assert_eq!(kernel.scale.len(), channels, "{}", kernel.name);
+    assert_eq!(kernel.zero_point, vec![0; channels], "{}", kernel.name);
+    let weights = by_name(kernel.name);
+    let per_channel = weights.len() / channels;
+    let mut largest = vec![0i8; channels];
+    for (i, (&code, w)) in kernel.data.iter().zip(&weights).enumerate() {
+        let c = if depthwise {
+            i % channels
+        } else {
+            i / per_channel
+        };
+        let code = code as i8;
+        assert!(code != i8::MIN, "{}: -128", kernel.name);
+        let s = kernel.scale[c];
+        assert!(
+            (f32::from(code) * s - w).abs() <= 0.5 * s * (1.0 + 1e-5),
+            "{}",
+            kernel.name
+        );
+        largest[c] = largest[c].max(code.saturating_abs());
+    }
+    assert_eq!(largest, vec![127; channels], "{}", kernel.name);
+    assert_eq!((bias.dtype, bias.axis), (INT32, 0), "{}", bias.name);
+    assert_eq!(bias.zero_point, vec![0; channels], "{}", bias.name);
+    let float_bias = by_name(bias.name);
+    for (c, code) in bias.data.chunks_exact(4).enumerate() {
+        let s = bias.scale[c];
+        assert!(close(s, input.scale[0] * kernel.scale[c]), "{}", bias.name);
+        let code = f64::from(i32::from_le_bytes(code.try_into().unwrap()));
+        let error = (code * f64::from(s) - f64::from(float_bias[c])).abs();
+        assert!(error <= 0.5 * f64::from(s) * (1.0 + 1e-9), "{}", bias.name);
+    }
+}
+
+#[test]
+fn int8_tflite_follows_the_quantization_specification() {
+    let config = config();
+    let net = network_with_batch_norm(&config);
+    let int8 = int8_export(&net, &config, InputType::Uint8);
+    let float = to_tflite(&net, &config, Precision::Float32).unwrap();
+    let (model, float_model) = (verified_model(&int8), verified_model(&float));
+    let graph = &model.tables(2)[0];
+    let tensors = quantized_tensors(&model, graph);
+    let float_tensors = quantized_tensors(&float_model, &float_model.tables(2)[0]);
+    let infos: Vec<TensorInfo> = graph.tables(0).iter().map(tensor_info).collect();
+    check_operators(&model, graph, &infos, &config);
+    let input = &tensors[graph.ints(1)[0] as usize];
+    assert_eq!(input.name, "normalized_input_image_tensor");
+    assert_eq!(
+        (input.dtype, input.shape.clone()),
+        (UINT8, vec![1, 72, 40, 3])
+    );
+    assert_eq!(input.params(), (UINT8, &[2.0 / 255.0][..], &[128][..]));
+    let codes = model.tables(1);
+    let mut counts = std::collections::BTreeMap::new();
+    for op in graph.tables(3) {
+        let code = &codes[op.scalar::<u32>(0, 0) as usize];
+        let (builtin, version) = (code.scalar::<i32>(3, 0), code.scalar::<i32>(2, 1));
+        *counts.entry(builtin).or_insert(0) += 1;
+        let ins: Vec<&QTensor> = op.ints(1).iter().map(|&i| &tensors[i as usize]).collect();
+        let outs: Vec<&QTensor> = op.ints(2).iter().map(|&i| &tensors[i as usize]).collect();
+        match builtin {
+            QUANTIZE => {
+                assert_eq!((ins[0].dtype, version), (UINT8, 1));
+                outs[0].assert_int8_per_tensor();
+                // the same reals: zero point 128 lower
+                assert_eq!(outs[0].scale, ins[0].scale);
+                assert_eq!(outs[0].zero_point, vec![0]);
+            }
+            CONV_2D | DEPTHWISE_CONV_2D => {
+                assert_eq!(version, 3);
+                check_int8_conv((ins[0], outs[0]), ins[1], ins[2], &float_tensors);
+            }
+            RESHAPE => {
+                ins[0].assert_int8_per_tensor();
+                assert_eq!(outs[0].params(), ins[0].params(), "{}", outs[0].name);
+            }
+            CONCATENATION => {
+                assert_eq!(version, 2);
+                outs[0].assert_int8_per_tensor();
+                for i in &ins {
+                    assert_eq!(i.params(), outs[0].params(), "{}", i.name);
+                }
+            }
+            LOGISTIC => {
+                assert_eq!(version, 2);
+                ins[0].assert_int8_per_tensor();
+                assert_eq!(outs[0].name, CLASS_PREDICTIONS_NAME);
+                assert_eq!(outs[0].params(), (INT8, &[1.0 / 256.0][..], &[-128][..]));
+            }
+            DEQUANTIZE => {
+                assert_eq!(version, 2);
+                ins[0].assert_int8_per_tensor();
+                assert_eq!(outs[0].dtype, FLOAT32);
+            }
+            CUSTOM => {
+                // the op's kernel reads float32 box codes, scores and anchors
+                assert!(ins.iter().all(|t| t.dtype == FLOAT32));
+                assert!(outs.iter().all(|t| t.dtype == FLOAT32));
+            }
+            other => panic!("unexpected operator {other}"),
+        }
+    }
+    let expected = [
+        (CONCATENATION, 2),
+        (CONV_2D, 35 - 13 + 12),
+        (DEPTHWISE_CONV_2D, 13),
+        (DEQUANTIZE, 2),
+        (LOGISTIC, 1),
+        (RESHAPE, 12),
+        (CUSTOM, 1),
+        (QUANTIZE, 1),
+    ];
+    assert_eq!(counts, expected.into_iter().collect());
+    // a weight takes one byte, against four
+    let weight_bytes = |ts: &[QTensor]| -> usize {
+        ts.iter()
+            .filter(|t| t.name.ends_with("/weights"))
+            .map(|t| t.data.len())
+            .sum()
+    };
+    assert_eq!(4 * weight_bytes(&tensors), weight_bytes(&float_tensors));
+}
+
+#[test]
+fn int8_input_types_take_int8_or_floats() {
+    let config = config();
+    let net = network(&config);
+    for (input, dtype, quantize_ops) in
+        [(InputType::Int8, INT8, 0), (InputType::Float32, FLOAT32, 1)]
+    {
+        let bytes = int8_export(&net, &config, input);
+        let model = verified_model(&bytes);
+        let graph = &model.tables(2)[0];
+        let tensors = quantized_tensors(&model, graph);
+        let first = &tensors[graph.ints(1)[0] as usize];
+        assert_eq!(first.dtype, dtype, "{input:?}");
+        if dtype == INT8 {
+            assert_eq!(first.params(), (INT8, &[2.0 / 255.0][..], &[0][..]));
+        }
+        let codes = model.tables(1);
+        let quantizes = graph
+            .tables(3)
+            .iter()
+            .filter(|op| codes[op.scalar::<u32>(0, 0) as usize].scalar::<i32>(3, 0) == QUANTIZE)
+            .count();
+        assert_eq!(quantizes, quantize_ops, "{input:?}");
+    }
+}
+
+#[test]
+fn quantizing_without_calibration_is_an_error() {
+    let config = config();
+    let net = network(&config);
+    let calibration = Calibration::default();
+    let precision = Precision::Int8 {
+        calibration: &calibration,
+        input: InputType::Uint8,
+    };
+    let err = to_tflite(&net, &config, precision).unwrap_err().to_string();
+    assert!(err.contains("no calibration image"), "{err}");
 }
 
 fn dims(info: &ValueInfoProto) -> Vec<String> {

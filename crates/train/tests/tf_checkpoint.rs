@@ -422,7 +422,8 @@ fn a_pipeline_config_with_a_tf_checkpoint_trains_from_it() {
     }
 }
 
-fn train_cli(args: &[&str]) -> String {
+/// Runs `train` with `args`; its success and its output.
+fn run_train(args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
         .args(args)
         .output()
@@ -432,8 +433,65 @@ fn train_cli(args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "train {args:?} failed:\n{text}");
+    (out.status.success(), text)
+}
+
+fn train_cli(args: &[&str]) -> String {
+    let (success, text) = run_train(args);
+    assert!(success, "train {args:?} failed:\n{text}");
     text
+}
+
+/// `export --quantize`: another width, another format, no calibration image and calibration
+/// records that are not there are errors naming the flag, and nothing is written.
+#[test]
+fn quantized_export_errors_name_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = tf_fixture("ssd/model.ckpt").display().to_string();
+    let pipeline = root().join("scripts/tf-fixtures/pipeline.config");
+    let out = dir.path().join("model.tflite");
+    let (pipeline, out_arg) = (pipeline.display().to_string(), out.display().to_string());
+    let model = [
+        "export",
+        "--model-dir",
+        &prefix,
+        "--config",
+        &pipeline,
+        "--out",
+        &out_arg,
+    ];
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--format", "tflite", "--quantize", "int4"],
+            "'int4' for '--quantize",
+        ),
+        (
+            &["--format", "onnx", "--quantize", "int8"],
+            "--quantize int8 needs --format tflite",
+        ),
+        (
+            &[
+                "--quantize",
+                "int8",
+                "--format",
+                "tflite",
+                "--calibration-images",
+                "0",
+            ],
+            "'0' for '--calibration-images",
+        ),
+        // the pipeline.config's train input is a placeholder path
+        (
+            &["--format", "tflite", "--quantize", "int8"],
+            "--calibration-data",
+        ),
+    ];
+    for (flags, expected) in cases {
+        let args: Vec<&str> = model.iter().chain(flags).copied().collect();
+        let (success, text) = run_train(&args);
+        assert!(!success && text.contains(expected), "{flags:?}:\n{text}");
+        assert!(!out.exists(), "{flags:?} wrote {}", out.display());
+    }
 }
 
 /// `train import-checkpoint` writes the moving-average weights; `detect` and `export` take

@@ -106,7 +106,7 @@ fn head<B: Backend>(conv: &Conv2d<B>, name: String) -> FrozenConv {
 /// The trunk indices of the feature maps: `Conv2d_11_pointwise`, `Conv2d_13_pointwise`, then
 /// the 3x3 layer of each extra layer (trunk: `Conv2d_0`, 13 depthwise / pointwise pairs, 4
 /// extra 1x1 / 3x3 pairs).
-const FEATURE_MAP_UNITS: [usize; 6] = [22, 26, 28, 30, 32, 34];
+pub(crate) const FEATURE_MAP_UNITS: [usize; 6] = [22, 26, 28, 30, 32, 34];
 
 impl FrozenNetwork {
     /// Freezes `model`, built from `config`.
