@@ -463,7 +463,7 @@ mod tests {
             ```json\n{\"train\": 1}\n```\n";
         let all = commands(page);
         // a quoted value is one argument, whatever it holds
-        assert_eq!(all[2].1.parts().1, ["--only", "--repeats"]);
+        assert_eq!(all[3].1.parts().1, ["--only", "--repeats"]);
         let found: Vec<_> = all.into_iter().map(|(l, i)| (l, i.shown())).collect();
         assert_eq!(
             found,
@@ -472,10 +472,10 @@ mod tests {
                 (5, "train --devices cpu --config c.json".to_string()),
                 (5, "xtask bench --only x".to_string()),
                 (
-                    6,
+                    7,
                     "xtask bench --only train --devices cpu --repeats 8".to_string()
                 ),
-                (12, "train [--devices 0,1 | cpu] [--seed S]".to_string()),
+                (13, "train [--devices 0,1 | cpu] [--seed S]".to_string()),
             ]
         );
         let usage = inv(
