@@ -40,6 +40,37 @@ pub struct SsdConfig {
     pub loss: LossConfig,
     /// Post-processing (`batch_non_max_suppression`, sigmoid score converter).
     pub post_processing: PostProcessingConfig,
+    /// Quantization-aware training (`graph_rewriter { quantization { ... } }`); `null`
+    /// (default) trains a float network.
+    pub quantization: Option<QuantizationConfig>,
+}
+
+/// Quantization-aware training as the API's `graph_rewriter.quantization` asks for it (TF1's
+/// `contrib.quantize` training rewrite; the rules are in [`crate::fake_quant`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuantizationConfig {
+    /// Steps trained in float before the fake quantization takes effect (`delay`); the
+    /// activation ranges are learned from the first step.
+    pub delay: u64,
+    /// Bits of the weights (`weight_bits`): only 8.
+    pub weight_bits: u32,
+    /// Bits of the activations (`activation_bits`): only 8.
+    pub activation_bits: u32,
+    /// Ranges symmetric around 0 instead of a learned minimum and maximum (`symmetric`).
+    pub symmetric: bool,
+}
+
+impl Default for QuantizationConfig {
+    /// The proto's defaults: 500,000 steps of delay, 8 bits, asymmetric ranges.
+    fn default() -> Self {
+        Self {
+            delay: 500_000,
+            weight_bits: 8,
+            activation_bits: 8,
+            symmetric: false,
+        }
+    }
 }
 
 /// BatchNorm hyper-parameters (`batch_norm` of `conv_hyperparams`).
@@ -164,6 +195,7 @@ impl Default for SsdConfig {
             matcher: MatcherConfig::default(),
             loss: LossConfig::default(),
             post_processing: PostProcessingConfig::default(),
+            quantization: None,
         }
     }
 }
@@ -408,6 +440,19 @@ impl SsdConfig {
                 "post_processing.max_total_detections",
                 "detection limits must be at least 1",
             ));
+        }
+        if let Some(q) = &self.quantization {
+            for (field, bits) in [
+                ("quantization.weight_bits", q.weight_bits),
+                ("quantization.activation_bits", q.activation_bits),
+            ] {
+                if bits != 8 {
+                    return Err(invalid(
+                        field,
+                        format!("only 8-bit quantization is supported, got {bits}"),
+                    ));
+                }
+            }
         }
         Ok(())
     }

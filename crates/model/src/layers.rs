@@ -10,6 +10,7 @@ use rand::Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 use crate::config::BatchNormConfig as BnSettings;
+use crate::fake_quant::{ActivationRange, folded_unit};
 use crate::ops::{
     SsdBackend, affine_relu6, batch_norm_relu6, conv_affine_relu6, conv_same,
     depthwise_between_batch_norms,
@@ -164,10 +165,20 @@ impl<B: SsdBackend> BatchNorm<B> {
         [scale, shift]
     }
 
+    /// Added to the variance before the square root.
+    pub(crate) fn epsilon(&self) -> f64 {
+        self.epsilon
+    }
+
     /// Moves the moving averages towards a training batch's statistics over `count` values
     /// per channel: `m <- decay m + (1 - decay) batch`, the biased batch `variance` made
     /// unbiased first (TF's fused kernel: `n / max(n - 1, 1)`).
-    fn update_moving_stats(&self, mean: Tensor<B, 1>, variance: Tensor<B, 1>, count: usize) {
+    pub(crate) fn update_moving_stats(
+        &self,
+        mean: Tensor<B, 1>,
+        variance: Tensor<B, 1>,
+        count: usize,
+    ) {
         let variance = variance.mul_scalar(count as f64 / count.saturating_sub(1).max(1) as f64);
         let keep = self.decay;
         let update = |state: &RunningState<Tensor<B, 1>>, batch_value: Tensor<B, 1>| {
@@ -194,6 +205,8 @@ pub struct ConvBnRelu6<B: Backend> {
     pub conv: Conv2d<B>,
     /// Its BatchNorm (gamma, beta, moving mean and variance).
     pub bn: BatchNorm<B>,
+    /// The learned range of its output, in quantization-aware training.
+    pub quant: Option<ActivationRange<B>>,
 }
 
 impl<B: Backend> ConvBnRelu6<B> {
@@ -209,17 +222,25 @@ impl<B: Backend> ConvBnRelu6<B> {
         }
         .init(rng, device);
         let bn = BatchNorm::new(spec.out_channels, bn, device);
-        Self { conv, bn }
+        Self {
+            conv,
+            bn,
+            quant: None,
+        }
     }
 }
 
 impl<B: SsdBackend> ConvBnRelu6<B> {
     /// Applies the unit. BatchNorm uses batch statistics (and updates its moving averages)
-    /// when the backend records gradients, and the moving averages otherwise, as one
-    /// operation with the convolution ([`SsdBackend::conv_affine_relu6`]).
+    /// when the backend records gradients, folded into fake-quantized weights in
+    /// quantization-aware training ([`crate::fake_quant`]); the moving averages otherwise, as
+    /// one operation with the convolution ([`SsdBackend::conv_affine_relu6`]).
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         if B::ad_enabled(&x.device()) {
-            return self.bn.forward_relu6(apply_conv(&self.conv, x));
+            return match &self.quant {
+                Some(range) => folded_unit(self, range, x),
+                None => self.bn.forward_relu6(apply_conv(&self.conv, x)),
+            };
         }
         let folded = self.bn.folded(&x.device());
         let conv = &self.conv;

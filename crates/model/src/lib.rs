@@ -39,6 +39,7 @@ pub mod boxes;
 pub mod config;
 pub mod error;
 pub mod export;
+pub mod fake_quant;
 mod floats;
 pub mod inference;
 pub mod io;

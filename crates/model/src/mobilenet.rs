@@ -129,10 +129,11 @@ enum Activation<'a, B: Backend> {
 }
 
 impl<'a, B: SsdBackend> Activation<'a, B> {
-    /// The output of `unit` on `x`: its convolution alone in training (its BatchNorm +
-    /// ReLU6 pending), the whole unit otherwise.
+    /// The output of `unit` on `x`: its convolution alone in float training (its BatchNorm +
+    /// ReLU6 pending), the whole unit otherwise (quantization-aware training needs each
+    /// unit's output to learn its range).
     fn of(unit: &'a ConvBnRelu6<B>, x: Tensor<B, 4>, training: bool) -> Self {
-        if training {
+        if training && unit.quant.is_none() {
             Self::Pending(apply_conv(&unit.conv, x), &unit.bn)
         } else {
             Self::Normalised(unit.forward(x))

@@ -13,6 +13,7 @@ use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::SsdConfig;
 use crate::error::Result;
+use crate::fake_quant::{ActivationRange, FakeQuant, HeadRanges, quantized_head};
 use crate::layers::{BatchNorm, ConvBnRelu6, ConvSpec, apply_conv};
 use crate::mobilenet::{MobileNetV1, SEPARABLE_BLOCKS};
 use crate::ops::{SsdBackend, channels_last};
@@ -49,6 +50,8 @@ pub struct Ssd<B: Backend> {
     pub box_heads: Vec<Conv2d<B>>,
     /// Class-logit convolutions, one per feature map.
     pub class_heads: Vec<Conv2d<B>>,
+    /// The heads' learned output ranges, in quantization-aware training.
+    pub head_ranges: Option<HeadRanges<B>>,
     num_classes: usize,
 }
 
@@ -135,13 +138,18 @@ impl SsdConfig {
             box_heads.push(head(c, a * BoxCoder::CODE_SIZE).init(&mut rng, device));
             class_heads.push(head(c, a * (self.num_classes + 1)).init(&mut rng, device));
         }
-        Ok(Ssd {
+        let mut ssd = Ssd {
             backbone,
             extras,
             box_heads,
             class_heads,
+            head_ranges: None,
             num_classes: self.num_classes,
-        })
+        };
+        if let Some(quantization) = &self.quantization {
+            ssd.add_activation_ranges(FakeQuant::new(quantization), device);
+        }
+        Ok(ssd)
     }
 }
 
@@ -171,13 +179,13 @@ impl<B: SsdBackend> Ssd<B> {
             let mut boxes = Vec::with_capacity(maps.len());
             let mut classes = Vec::with_capacity(maps.len());
             let heads = self.box_heads.iter().zip(&self.class_heads);
-            for (map, (box_head, class_head)) in maps.iter().zip(heads) {
+            for (i, (map, (box_head, class_head))) in maps.iter().zip(heads).enumerate() {
                 boxes.push(flatten_head(
-                    apply_conv(box_head, map.clone()),
+                    self.head_output(box_head, map.clone(), |r| &r.boxes[i]),
                     BoxCoder::CODE_SIZE,
                 ));
                 classes.push(flatten_head(
-                    apply_conv(class_head, map.clone()),
+                    self.head_output(class_head, map.clone(), |r| &r.classes[i]),
                     self.num_classes + 1,
                 ));
             }
@@ -189,7 +197,66 @@ impl<B: SsdBackend> Ssd<B> {
     }
 }
 
+impl<B: SsdBackend> Ssd<B> {
+    /// A head's output on `map`: fake-quantized in quantization-aware training (`range` picks
+    /// the head's range), the plain convolution otherwise.
+    fn head_output(
+        &self,
+        head: &Conv2d<B>,
+        map: Tensor<B, 4>,
+        range: impl Fn(&HeadRanges<B>) -> &ActivationRange<B>,
+    ) -> Tensor<B, 4> {
+        match &self.head_ranges {
+            Some(ranges) if B::ad_enabled(&map.device()) => {
+                quantized_head(head, range(ranges), map)
+            }
+            _ => apply_conv(head, map),
+        }
+    }
+}
+
 impl<B: Backend> Ssd<B> {
+    /// Gives every unit and head a learned output range for quantization-aware training.
+    fn add_activation_ranges(&mut self, rule: FakeQuant, device: &B::Device) {
+        for unit in self.conv_units_mut() {
+            unit.quant = Some(ActivationRange::new(rule, device));
+        }
+        let heads = |n: usize| (0..n).map(|_| ActivationRange::new(rule, device)).collect();
+        self.head_ranges = Some(HeadRanges {
+            boxes: heads(self.box_heads.len()),
+            classes: heads(self.class_heads.len()),
+        });
+    }
+
+    /// Whether the fake quantization of quantization-aware training takes effect (from step
+    /// `delay` on); the ranges are learned either way. Nothing happens to a float network.
+    pub fn set_fake_quant_active(&mut self, active: bool) {
+        for unit in self.conv_units_mut() {
+            if let Some(range) = &mut unit.quant {
+                range.rule.active = active;
+            }
+        }
+        if let Some(heads) = &mut self.head_ranges {
+            for range in heads.boxes.iter_mut().chain(&mut heads.classes) {
+                range.rule.active = active;
+            }
+        }
+    }
+
+    /// Every learned activation range, units first (in [`Ssd::conv_units`] order), then the
+    /// box-code heads', then the class-logit heads'; empty for a float network.
+    pub fn activation_ranges(&self) -> Vec<&ActivationRange<B>> {
+        let units = self
+            .conv_units()
+            .into_iter()
+            .filter_map(|u| u.quant.as_ref());
+        let heads = self
+            .head_ranges
+            .iter()
+            .flat_map(|h| h.boxes.iter().chain(&h.classes));
+        units.chain(heads).collect()
+    }
+
     /// Number of object classes (without background).
     pub fn num_classes(&self) -> usize {
         self.num_classes

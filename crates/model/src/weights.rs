@@ -79,7 +79,16 @@ fn decode_checked<B: Backend>(
     let expected = shapes(&fresh);
     let loaded = catch_unwind(AssertUnwindSafe(|| fresh.load_record(record)))
         .map_err(|_| incompatible("the file's layer structure differs from the config".into()))?;
-    for ((name, want), (_, got)) in expected.iter().zip(shapes(&loaded)) {
+    let found = shapes(&loaded);
+    if found.len() != expected.len() {
+        return Err(incompatible(format!(
+            "the file holds {} tensors where the config's network has {} (activation ranges of \
+             quantization-aware training in one but not the other?)",
+            found.len(),
+            expected.len()
+        )));
+    }
+    for ((name, want), (_, got)) in expected.iter().zip(found) {
         if check_shapes && *want != got {
             return Err(incompatible(format!(
                 "parameter `{name}` has shape {got:?} in the file but {want:?} in the config \

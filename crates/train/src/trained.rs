@@ -203,7 +203,13 @@ pub fn fine_tune<B: Backend>(
             checkpoint_folder(path)?.join("model.mpk")
         };
         let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-        let net = model::weights::weights_any_shapes::<B>(config, bytes, &file, device)?;
+        // weights only: a float run's file has no activation ranges, and a quantized run's
+        // are not restored (fine-tuning learns its own)
+        let float = SsdConfig {
+            quantization: None,
+            ..config.clone()
+        };
+        let net = model::weights::weights_any_shapes::<B>(&float, bytes, &file, device)?;
         Box::new(MemorySource::new(&file, named_tensors(&net, config)))
     };
     let result = restore(model, config, source.as_ref(), scope)

@@ -808,3 +808,64 @@ fn trains_on_shards_prepared_from_a_coco_file() {
     assert!(summary.last_loss.total.is_finite());
     assert!(summary.metrics.expect("final evaluation").AP >= 0.0);
 }
+
+/// Quantization-aware training on two replicas, the quantization in effect from step 1: the
+/// run's checkpoints (each compares the replicas' weights and states byte for byte) hold one
+/// learned range per unit and head, updated once a step, and `train export --quantize int8`
+/// takes them without calibration records.
+#[test]
+fn quantization_aware_training_shares_its_ranges_and_exports_them() {
+    let data = tempfile::tempdir().unwrap();
+    prepare(data.path());
+    let runs = tempfile::tempdir().unwrap();
+    let mut c = config(data.path(), 3);
+    c.train.checkpoint_every = 1;
+    c.model.quantization = Some(model::config::QuantizationConfig {
+        delay: 1,
+        ..Default::default()
+    });
+    let summary = run(&c, runs.path(), 2).unwrap();
+    assert!(summary.last_loss.total.is_finite());
+    let ckpt = runs.path().join("ckpt-00000003/model.mpk");
+    let net: Ssd<B> = load_weights(&c.model, &ckpt, &Default::default()).unwrap();
+    let ranges = net.activation_ranges();
+    // 35 convolution units and 2 x 6 heads
+    assert_eq!(ranges.len(), 47);
+    for range in &ranges {
+        let updates: f32 = range.updates.value().into_scalar().elem();
+        let [min, max] = range.learned().expect("learned");
+        assert!(
+            updates == 3.0 && min <= 0.0 && max > 0.0,
+            "{updates} {min} {max}"
+        );
+    }
+    // a float config cannot load them by mistake
+    let float = model::SsdConfig {
+        quantization: None,
+        ..c.model.clone()
+    };
+    let float_net: Ssd<B> = load_weights(&float, &ckpt, &Default::default()).unwrap();
+    assert!(float_net.activation_ranges().is_empty());
+    let out = runs.path().join("int8.tflite");
+    let export = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args([
+            "export",
+            "--format",
+            "tflite",
+            "--quantize",
+            "int8",
+            "--model-dir",
+        ])
+        .arg(runs.path())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&export.stderr);
+    assert!(export.status.success(), "{text}");
+    assert!(
+        text.contains("learned in quantization-aware training"),
+        "{text}"
+    );
+    assert!(out.is_file());
+}

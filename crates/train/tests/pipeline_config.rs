@@ -257,3 +257,53 @@ fn label_map_ids_keep_their_places_and_an_empty_map_is_an_error() {
     );
     assert!(e.contains("no `item`"), "{e}");
 }
+
+/// `graph_rewriter { quantization }` turns quantization-aware training on with the model
+/// zoo's quantized config's settings or the proto's defaults; widths other than 8 are errors
+/// naming the field (the API's `graph_rewriter_builder` refuses them too), in the JSON config
+/// as in the pipeline.config.
+#[test]
+fn graph_rewriter_quantization_is_imported() {
+    use model::config::QuantizationConfig;
+    let with = |rewriter: &str| import_text(&format!("{MINIMAL}\ngraph_rewriter {{ {rewriter} }}"));
+    let zoo = with("quantization { delay: 48000 weight_bits: 8 activation_bits: 8 }").unwrap();
+    let expected = QuantizationConfig {
+        delay: 48_000,
+        weight_bits: 8,
+        activation_bits: 8,
+        symmetric: false,
+    };
+    assert_eq!(zoo.config.model.quantization, Some(expected));
+    assert!(
+        zoo.notes
+            .iter()
+            .any(|n| n.contains("quantization-aware training, fake quantization from step 48000")),
+        "{:?}",
+        zoo.notes
+    );
+    let defaults = with("quantization { symmetric: true }")
+        .unwrap()
+        .config
+        .model;
+    let q = defaults.quantization.unwrap();
+    assert_eq!((q.delay, q.symmetric), (500_000, true));
+    assert_eq!(
+        import_text(MINIMAL).unwrap().config.model.quantization,
+        None
+    );
+    let e = format!("{:#}", with("quantization { weight_bits: 4 }").unwrap_err());
+    assert!(
+        e.contains("graph_rewriter.quantization.weight_bits: 4 is not supported (only 8)"),
+        "{e}"
+    );
+    let mut json = import_text(MINIMAL).unwrap().config.model;
+    json.quantization = Some(QuantizationConfig {
+        activation_bits: 16,
+        ..QuantizationConfig::default()
+    });
+    let e = json.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("quantization.activation_bits") && e.contains("16"),
+        "{e}"
+    );
+}

@@ -12,10 +12,12 @@
 //!   another).
 
 use burn::nn::conv::Conv2d;
+use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::export::network::FEATURE_MAP_UNITS;
+use crate::fake_quant::ActivationRange;
 use crate::layers::apply_conv;
 use crate::ops::SsdBackend;
 use crate::ssd::Ssd;
@@ -118,14 +120,41 @@ impl Calibration {
         Ok(())
     }
 
-    /// Number of images observed.
+    /// The ranges quantization-aware training learned for `model`: each unit's output range,
+    /// the box-code heads' together and the class-logit heads' together (their reshapes and
+    /// concatenation share one range). `None` for a float network or one whose ranges were
+    /// never trained.
+    pub fn learned<B: Backend>(model: &Ssd<B>) -> Option<Calibration> {
+        let heads = model.head_ranges.as_ref()?;
+        let range = |r: &ActivationRange<B>| r.learned().map(|[min, max]| Range { min, max });
+        let union = |ranges: &[ActivationRange<B>]| {
+            ranges
+                .iter()
+                .map(range)
+                .try_fold(Range::EMPTY, |all, r| Some(all.union(r?)))
+        };
+        let trunk = model
+            .conv_units()
+            .into_iter()
+            .map(|u| u.quant.as_ref().and_then(range))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Calibration {
+            trunk,
+            box_codes: union(&heads.boxes)?,
+            class_logits: union(&heads.classes)?,
+            images: 0,
+        })
+    }
+
+    /// Number of images observed (0 for learned ranges).
     pub fn images(&self) -> usize {
         self.images
     }
 
-    /// The int8 parameters of every activation; an error when no image was observed.
+    /// The int8 parameters of every activation; an error when there are no ranges (no
+    /// image was observed).
     pub(crate) fn activations(&self) -> Result<Activations> {
-        if self.images == 0 {
+        if self.trunk.is_empty() {
             return Err(ModelError::Quantization(
                 "no calibration image was observed".into(),
             ));

@@ -91,18 +91,12 @@ impl Quantization {
         if !matches!(args.format, Format::Tflite) {
             bail!("--quantize int8 needs --format tflite");
         }
-        let data = if args.calibration_data.is_empty() {
-            let config = args.checkpoint.config.as_deref().context(
-                "--quantize int8 calibrates on training images: pass --calibration-data or a \
-                 --config whose data.train names them",
-            )?;
-            TrainConfig::load(config)?.data.train
-        } else {
-            args.calibration_data.clone()
+        // checked when a float-trained model needs them (quantization-aware training brings
+        // its own ranges)
+        let data = match (&args.checkpoint.config, args.calibration_data.is_empty()) {
+            (Some(config), true) => TrainConfig::load(config)?.data.train,
+            _ => args.calibration_data.clone(),
         };
-        if data.is_empty() {
-            bail!("--quantize int8: the config has no data.train; pass --calibration-data");
-        }
         let input = match args.input_type {
             InputArg::Uint8 => InputType::Uint8,
             InputArg::Int8 => InputType::Int8,
@@ -115,9 +109,29 @@ impl Quantization {
         }))
     }
 
+    /// The activation ranges of `net`: those quantization-aware training learned, or else
+    /// the ranges over the calibration images.
+    fn ranges(&self, net: &Ssd<Flex>, config: &SsdConfig) -> Result<Calibration> {
+        match Calibration::learned(net) {
+            Some(learned) => {
+                eprintln!(
+                    "int8 activation ranges: those learned in quantization-aware training (no calibration)"
+                );
+                Ok(learned)
+            }
+            None => self.calibrate(net, config),
+        }
+    }
+
     /// The activation ranges of `net` over the calibration images, preprocessed as for
     /// inference (resized, scaled to `[-1, 1]`, no augmentation).
     fn calibrate(&self, net: &Ssd<Flex>, config: &SsdConfig) -> Result<Calibration> {
+        if self.data.is_empty() {
+            bail!(
+                "--quantize int8 calibrates a float-trained model on training images: pass \
+                 --calibration-data or a --config whose data.train names them"
+            );
+        }
         let what = "the calibration records (--calibration-data, or the config's data.train)";
         let files = expand_patterns(&self.data).context(what)?;
         let index = RecordIndex::build(&files).context(what)?;
@@ -226,9 +240,7 @@ fn export(
     match format {
         Format::Safetensors => model::portable::save_safetensors(&net, config, out)?,
         Format::Tflite => {
-            let calibration = quantization
-                .map(|q| q.calibrate(&net, config))
-                .transpose()?;
+            let calibration = quantization.map(|q| q.ranges(&net, config)).transpose()?;
             let precision = match (quantization, &calibration) {
                 (Some(q), Some(calibration)) => Precision::Int8 {
                     calibration,

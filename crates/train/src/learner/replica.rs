@@ -27,13 +27,17 @@ use crate::config::TrainConfig;
 use crate::optim::ema::Ema;
 use crate::optim::{TfOptimizer, clip_by_global_norm, squared_global_norm};
 use crate::sync::{
-    Bucketing, GradientSync, bn_stats_flat, flatten_gradients, set_bn_stats_flat,
-    unflatten_gradients, weight_checksum,
+    Bucketing, GradientSync, bn_stats_flat, flatten_gradients, ranges_flat, set_bn_stats_flat,
+    set_ranges_flat, unflatten_gradients, weight_checksum,
 };
 
 pub(super) type Train<B> = Autodiff<B>;
 pub(super) type Optim<B> = OptimizerAdaptor<TfOptimizer, Ssd<Train<B>>, Train<B>>;
 pub(super) type OptimRecorder = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// Values at the start of a step's averaged tail: the four loss parts, the stop request,
+/// the matched and the mined anchors per image.
+const LOSS_TAIL: usize = 7;
 
 /// The loss parts of a step, averaged over replicas.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -164,8 +168,14 @@ impl<B: SsdBackend> Replica<B> {
         step: u64,
         read: Reading,
     ) -> StepResult<B> {
+        if let (Some(q), Some(model)) = (&self.config.model.quantization, self.model.as_mut()) {
+            model.set_fake_quant_active(step >= q.delay);
+        }
         let (grads, tail) = self.gradients(batch, read.stop);
         let averaged = self.average(grads, tail)?;
+        if !self.sync.single_replica() {
+            self.share_ranges(&averaged.tail);
+        }
         let loss = match read.loss {
             true => Some(to_host(averaged.tail)?),
             false => None,
@@ -185,8 +195,21 @@ impl<B: SsdBackend> Replica<B> {
         }))
     }
 
+    /// Sets the activation ranges of quantization-aware training to their mean over the
+    /// replicas, which rode at the end of the averaged tail: each replica moved the same
+    /// ranges towards its own batch's, so the mean is the ranges moved towards the mean of
+    /// the batches', and every replica quantizes the next step over the same ranges.
+    fn share_ranges(&self, tail: &Tensor<B, 1>) {
+        let len = tail.dims()[0] - LOSS_TAIL;
+        if len > 0 {
+            let ranges = tail.clone().narrow(0, LOSS_TAIL, len);
+            set_ranges_flat(self.model(), Tensor::from_inner(ranges));
+        }
+    }
+
     /// This replica's gradients and a tail of values to average with them: the loss parts,
-    /// the stop request, and the matched and mined anchors per image.
+    /// the stop request, the matched and mined anchors per image ([`LOSS_TAIL`] values), then
+    /// the activation ranges of quantization-aware training.
     fn gradients(&self, batch: Batch, stop: bool) -> (GradientsParams, Tensor<B, 1>) {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
@@ -204,17 +227,15 @@ impl<B: SsdBackend> Replica<B> {
             loss.num_matches as f32 / images,
             loss.num_mined_negatives as f32 / images,
         ];
-        let tail = Tensor::cat(
-            vec![
-                loss.classification.inner(),
-                loss.localization.inner(),
-                loss.regularization.inner(),
-                loss.total.inner(),
-                Tensor::from_data(TensorData::new(host_values, [3]), &self.device),
-            ],
-            0,
-        );
-        (grads, tail)
+        let mut tail = vec![
+            loss.classification.inner(),
+            loss.localization.inner(),
+            loss.regularization.inner(),
+            loss.total.inner(),
+            Tensor::from_data(TensorData::new(host_values, [3]), &self.device),
+        ];
+        tail.extend(ranges_flat(self.model()).map(|r| r.inner()));
+        (grads, Tensor::cat(tail, 0))
     }
 
     /// The mean over all replicas of the gradients and of the tail, the squared global norm

@@ -25,7 +25,9 @@ pub use buckets::{
     BUCKET_ELEMENTS, BucketLayout, Bucketing, flatten_gradients, unflatten_gradients,
 };
 pub use launcher::Launch;
-pub use replica_state::{bn_stats_flat, set_bn_stats_flat, weight_checksum};
+pub use replica_state::{
+    bn_stats_flat, ranges_flat, set_bn_stats_flat, set_ranges_flat, weight_checksum,
+};
 pub use transfer::{HOST_STAGED_ENV, Transfer};
 
 /// This process's place in a multi-node run (one process per machine, or per GPU) and the

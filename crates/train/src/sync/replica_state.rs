@@ -1,5 +1,6 @@
 //! What replicas compare and average besides gradients: a hash of the weights (every replica
-//! must start from the same point) and the BatchNorm moving statistics as one flat tensor.
+//! must start from the same point), the BatchNorm moving statistics and the activation ranges
+//! of quantization-aware training, each as one flat tensor.
 
 use burn::module::{ModuleVisitor, Param};
 use burn::tensor::Tensor;
@@ -51,5 +52,24 @@ pub fn set_bn_stats_flat<B: Backend>(model: &Ssd<B>, flat: Tensor<B, 1>) {
         let var = flat.clone().narrow(0, offset + n, n);
         offset += 2 * n;
         bn.set_moving_stats(mean, var);
+    }
+}
+
+/// The activation ranges of quantization-aware training as one flat tensor: each range's
+/// `[min, max]` moving averages before debiasing, in [`Ssd::activation_ranges`] order; `None`
+/// for a float network.
+pub fn ranges_flat<B: Backend>(model: &Ssd<B>) -> Option<Tensor<B, 1>> {
+    let parts: Vec<Tensor<B, 1>> = model
+        .activation_ranges()
+        .into_iter()
+        .map(|r| r.biased())
+        .collect();
+    (!parts.is_empty()).then(|| Tensor::cat(parts, 0))
+}
+
+/// Sets the activation ranges of `model` from a tensor laid out by [`ranges_flat`].
+pub fn set_ranges_flat<B: Backend>(model: &Ssd<B>, flat: Tensor<B, 1>) {
+    for (i, range) in model.activation_ranges().into_iter().enumerate() {
+        range.set_biased(flat.clone().narrow(0, 2 * i, 2));
     }
 }

@@ -25,8 +25,9 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use data::textproto::Message;
 use model::SsdConfig;
+use model::config::QuantizationConfig;
 
-use self::section::{Report, Section};
+use self::section::{Report, Section, require};
 use super::settings::{DEFAULT_PREFETCH, DataSettings, TrainConfig};
 
 /// A converted config and what the conversion left out.
@@ -85,9 +86,10 @@ fn convert(root: &Message, report: &mut Report) -> Option<TrainConfig> {
     if let Some(path) = label_map {
         read_class_names(&path, &mut model, report);
     }
+    read_graph_rewriter(&mut top, &mut model, report);
     top.ignore(
-        &["graph_rewriter", "eval_input_readers"],
-        "no graph rewriting (quantisation) here",
+        &["eval_input_readers"],
+        "evaluation reads the eval input reader",
         report,
     );
     top.finish(report);
@@ -97,6 +99,36 @@ fn convert(root: &Message, report: &mut Report) -> Option<TrainConfig> {
         data,
         eval,
     })
+}
+
+/// `graph_rewriter { quantization { ... } }`: quantization-aware training, 8 bits only (as
+/// the API's `graph_rewriter_builder` demands).
+fn read_graph_rewriter(top: &mut Section, model: &mut SsdConfig, report: &mut Report) {
+    let Some(mut rewriter) = top.child("graph_rewriter", report) else {
+        return;
+    };
+    if let Some(mut q) = rewriter.child("quantization", report) {
+        let proto = QuantizationConfig::default();
+        let mut bits = |name: &str| {
+            let bits = q.number(name, 8u32, report);
+            require(&q.path, name, bits, 8, report);
+            bits
+        };
+        let (weight_bits, activation_bits) = (bits("weight_bits"), bits("activation_bits"));
+        let quantization = QuantizationConfig {
+            delay: q.number("delay", proto.delay, report),
+            weight_bits,
+            activation_bits,
+            symmetric: q.flag("symmetric", proto.symmetric, report),
+        };
+        report.notes.push(format!(
+            "{}: quantization-aware training, fake quantization from step {}",
+            q.path, quantization.delay
+        ));
+        q.finish(report);
+        model.quantization = Some(quantization);
+    }
+    rewriter.finish(report);
 }
 
 /// `model`: only `ssd` models.
