@@ -4,7 +4,8 @@
 # evaluation images) and the `safetensors` package on `train export`; and runs the TFLite and
 # ONNX exports of that run and of the TF-written 37-class pets-config fixture in TFLite
 # (`ai-edge-litert`) and ONNX Runtime against our Detector (scripts/deploy_check.py), and the
-# run's int8 TFLite export next to its float one on held-out images (scripts/int8_check.py). Uses the
+# run's int8 TFLite export next to its float one on held-out images (scripts/int8_check.py), also
+# after a few steps of quantization-aware training. Uses the
 # release binaries and the `reference_outputs` example (build them first: `cargo build
 # --release --workspace --all-targets`); the Python packages go into a venv under target/
 # (PYTHON_READERS_VENV to choose another). Without PyPI access the venv cannot be made: the
@@ -59,5 +60,19 @@ int8_check() { # NAME, MAX_SIZE_RATIO, then the model arguments of `train export
     --max-size-ratio "$ratio" "$work"/data/val.record-*
 }
 int8_check synthetic 0.3 --model-dir "$work/run" --config configs/synthetic.json
+# quantization-aware training: 10 more steps of the run with fake quantization from the first;
+# its int8 export takes the learned ranges (the calibration records int8_check passes are unused)
+"$venv/bin/python" -c 'import json, sys
+c = json.load(open("configs/synthetic.json"))
+c["model"]["quantization"] = {"delay": 0}
+c["train"]["fine_tune_checkpoint"] = sys.argv[1]
+json.dump(c, open(sys.argv[2], "w"))' "$work/run" "$work/qat.json"
+"$bin/train" --devices cpu --config "$work/qat.json" --model-dir "$work/qat" --num-steps 10 \
+  --batch-size 4 --train-data "$work/data/train.record-*" --no-eval 2>>"$work/train.log" ||
+  { cat "$work/train.log" >&2; exit 1; }
+deploy_check qat --model-dir "$work/qat" --config "$work/qat.json"
+int8_check qat 0.3 --model-dir "$work/qat" --config "$work/qat.json"
+grep -q "learned in quantization-aware training" "$work/train.log" ||
+  { echo "the QAT run's int8 export calibrated instead of taking its learned ranges" >&2; exit 1; }
 int8_check pets 0.45 --model-dir crates/model/tests/fixtures/tf/ssd/model.ckpt \
   --config scripts/tf-fixtures/pipeline.config

@@ -149,8 +149,8 @@ impl<'a, B: SsdBackend> Activation<'a, B> {
 }
 
 impl<B: SsdBackend> MobileNetV1<B> {
-    /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations. In training,
-    /// each depthwise unit applies the BatchNorm + ReLU6 of the unit before it
+    /// Returns the `Conv2d_11_pointwise` and `Conv2d_13_pointwise` activations. In float
+    /// training, each depthwise unit applies the BatchNorm + ReLU6 of the unit before it
     /// (`ConvBnRelu6::forward_after`), except after `Conv2d_11_pointwise`, whose activations
     /// are also a feature map; at inference every unit applies its own, with its convolution
     /// ([`ConvBnRelu6::forward`]).

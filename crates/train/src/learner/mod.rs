@@ -115,6 +115,13 @@ pub fn train<B: SsdBackend>(
         shape.replicas,
         config.train.batch_size / shape.replicas / shape.nodes
     ));
+    if let Some(q) = &config.model.quantization {
+        log.say(format!(
+            "quantization-aware training: activation ranges learned from the first step, 8-bit fake quantization from step {}{}",
+            q.delay,
+            if q.symmetric { ", symmetric ranges" } else { "" }
+        ));
+    }
     let start = start::starting_point::<B>(config, &options.model_dir, &devices[0], &log)?;
     let fingerprint = run_fingerprint(config, &index)?;
     let (transfer, fallback) = Transfer::between::<B>(devices);
