@@ -66,12 +66,12 @@ int8_check synthetic 0.3 --model-dir "$work/run" --config configs/synthetic.json
 c = json.load(open("configs/synthetic.json"))
 c["model"]["quantization"] = {"delay": 0}
 c["train"]["fine_tune_checkpoint"] = sys.argv[1]
-json.dump(c, open(sys.argv[2], "w"))' "$work/run" "$work/qat.json"
-"$bin/train" --devices cpu --config "$work/qat.json" --model-dir "$work/qat" --num-steps 10 \
+json.dump(c, open(sys.argv[2], "w"))' "$work/run" "$work/qat-config.json"
+"$bin/train" --devices cpu --config "$work/qat-config.json" --model-dir "$work/qat" --num-steps 10 \
   --batch-size 4 --train-data "$work/data/train.record-*" --no-eval 2>>"$work/train.log" ||
   { cat "$work/train.log" >&2; exit 1; }
-deploy_check qat --model-dir "$work/qat" --config "$work/qat.json"
-int8_check qat 0.3 --model-dir "$work/qat" --config "$work/qat.json"
+deploy_check qat --model-dir "$work/qat" --config "$work/qat-config.json"
+int8_check qat 0.3 --model-dir "$work/qat" --config "$work/qat-config.json"
 grep -q "learned in quantization-aware training" "$work/train.log" ||
   { echo "the QAT run's int8 export calibrated instead of taking its learned ranges" >&2; exit 1; }
 int8_check pets 0.45 --model-dir crates/model/tests/fixtures/tf/ssd/model.ckpt \
