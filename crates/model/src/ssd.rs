@@ -243,8 +243,9 @@ impl<B: Backend> Ssd<B> {
         }
     }
 
-    /// Every learned activation range, units first (in [`Ssd::conv_units`] order), then the
-    /// box-code heads', then the class-logit heads'; empty for a float network.
+    /// Every learned activation range, units first (`Conv2d_0`, the separable blocks, the extra
+    /// layers, as the network runs them), then the box-code heads', then the class-logit
+    /// heads'; empty for a float network.
     pub fn activation_ranges(&self) -> Vec<&ActivationRange<B>> {
         let units = self
             .conv_units()
