@@ -2,6 +2,7 @@
 //! depthwise layer's backward pass, counted in cubecl's execution log (one `Executing` line per
 //! launch, written by a background thread: counts are read once the log stops growing).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -40,12 +41,20 @@ fn log_launches(scratch: &Path) -> PathBuf {
     log
 }
 
-/// The launches logged so far, once the log has stopped growing for half a second.
-fn settled(log: &Path) -> usize {
+/// The launches logged so far, by kernel name.
+type Kernels = BTreeMap<String, usize>;
+
+/// The launches logged so far by kernel name, once the log has stopped growing for half a
+/// second.
+fn settled_kernels(log: &Path) -> Kernels {
     let count = || {
-        std::fs::read_to_string(log)
-            .map(|s| s.lines().filter(|l| l.contains("Executing ")).count())
-            .unwrap_or(0)
+        let mut kernels = Kernels::new();
+        for line in std::fs::read_to_string(log).unwrap_or_default().lines() {
+            if let Some((_, name)) = line.split_once("Executing ") {
+                *kernels.entry(name.to_string()).or_default() += 1;
+            }
+        }
+        kernels
     };
     let mut last = count();
     loop {
@@ -58,20 +67,26 @@ fn settled(log: &Path) -> usize {
     }
 }
 
+/// The launches logged so far, once the log has stopped growing for half a second.
+fn settled(log: &Path) -> usize {
+    settled_kernels(log).values().sum()
+}
+
 /// Counts, prints and writes the report.
 pub fn run(request: &Request) -> Result<()> {
     let scratch = tempfile::tempdir()?;
     let log = log_launches(scratch.path());
     let mut steps = Vec::new();
     for path in &request.configs {
-        let per_step = step_launches(request, path, scratch.path(), &log)?;
+        let kernels = step_launches(request, path, scratch.path(), &log)?;
+        let per_step: f64 = kernels.values().sum();
         println!(
             "{}, batch {}, --devices {}: {per_step:.0} launches per training step",
             path.display(),
             request.batch,
             request.device
         );
-        steps.push(json!({"config": path, "launches_per_step": per_step}));
+        steps.push(json!({"config": path, "launches_per_step": per_step, "kernels": kernels}));
     }
     let layers = parse_device(&request.device)?.run(DepthwiseLaunches {
         batch: request.batch,
@@ -96,28 +111,47 @@ pub fn run(request: &Request) -> Result<()> {
     Ok(())
 }
 
-/// Launches per step of the config file `path`: after two warm-up steps (kernels compiled and tuned),
-/// a run of one more step and a run of three, each resuming the last; the difference is two
-/// steps' launches, with what a run does besides its steps (loading, the last checkpoint)
-/// cancelled.
-fn step_launches(request: &Request, path: &Path, scratch: &Path, log: &Path) -> Result<f64> {
+/// Launches per step of the config file `path`, by kernel name: after two warm-up steps
+/// (kernels compiled and tuned), a run of one more step and a run of three, each resuming the
+/// last; the difference is two steps' launches, with what a run does besides its steps
+/// (loading, the last checkpoint) cancelled.
+fn step_launches(
+    request: &Request,
+    path: &Path,
+    scratch: &Path,
+    log: &Path,
+) -> Result<BTreeMap<String, f64>> {
     let mut config = bench_config(path, request.batch, scratch)?;
     let model_dir = tempfile::tempdir_in(scratch)?;
     let devices = parse_device(&request.device)?;
-    let mut run_to = |step: u64| -> Result<usize> {
+    let mut run_to = |step: u64| -> Result<Kernels> {
         config.train.num_steps = step;
         let options = quiet_run(model_dir.path(), true);
-        let before = settled(log);
+        let before = settled_kernels(log);
         devices.run(TrainingJob {
             config: &config,
             options: &options,
         })?;
-        Ok(settled(log) - before)
+        let mut launched = settled_kernels(log);
+        for (name, count) in before {
+            *launched.entry(name).or_default() -= count;
+        }
+        Ok(launched)
     };
     run_to(2)?;
     let one = run_to(3)?;
     let three = run_to(6)?;
-    Ok((three as f64 - one as f64) / 2.0)
+    let per_step = |name: &String| {
+        let count = |run: &Kernels| run.get(name).copied().unwrap_or(0) as f64;
+        (count(&three) - count(&one)) / 2.0
+    };
+    let names: Vec<String> = one.keys().chain(three.keys()).cloned().collect();
+    Ok(names
+        .into_iter()
+        .map(|name| (per_step(&name), name))
+        .filter(|(count, _)| *count != 0.0)
+        .map(|(count, name)| (name, count))
+        .collect())
 }
 
 /// Launches of each depthwise layer's backward pass (input and filter gradients), counted on a
