@@ -238,14 +238,18 @@ fn depthwise_filter_grad<B: Backend>(
 }
 
 /// The sum over the batch and space of each channel, `[1, c, 1, 1]`: one reduction over the
-/// whole tensor (each image's planes) and one over the batch's partial sums, where
-/// `sum_dims(&[0, 2, 3])` makes three passes, each a kernel of its own on a GPU.
+/// whole tensor (each image's planes) and, for more than one image, one over the batch's
+/// partial sums, where `sum_dims(&[0, 2, 3])` makes three passes, each a kernel of its own on
+/// a GPU (a sum over a batch of one would be a kernel that copies).
 fn channel_sums<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let [batch, channels, h, w] = x.dims();
-    x.reshape([batch, channels, h * w])
-        .sum_dim(2)
-        .sum_dim(0)
-        .reshape([1, channels, 1, 1])
+    let per_image = x.reshape([batch, channels, h * w]).sum_dim(2);
+    let sums = if batch > 1 {
+        per_image.sum_dim(0)
+    } else {
+        per_image
+    };
+    sums.reshape([1, channels, 1, 1])
 }
 
 fn per_channel<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
@@ -291,14 +295,16 @@ pub fn batch_norm_relu6_backward<B: Backend>(
     let centred = x - per_channel(mean);
     // ReLU6's input, as the forward pass computes it
     let z = centred.clone() * inv_std.clone() * per_channel(gamma.clone()) + per_channel(beta);
-    let blocked = z
-        .clone()
-        .lower_equal_elem(0.0)
-        .bool_or(z.greater_equal_elem(6.0));
-    let dz = grad.mask_fill(blocked, 0.0);
+    // two masks rather than one of their union: a GPU backend's fusion takes comparisons and
+    // masked fills into the element-wise kernel around them, but not a boolean `or`
+    let dz = grad
+        .mask_fill(z.clone().lower_equal_elem(0.0), 0.0)
+        .mask_fill(z.greater_equal_elem(6.0), 0.0);
     let x_hat = centred * inv_std.clone();
+    // formed before either sum, so that it joins the element-wise kernel that forms `dz`
+    let dz_x_hat = dz.clone() * x_hat.clone();
     let dbeta = channel_sums(dz.clone());
-    let dgamma = channel_sums(dz.clone() * x_hat.clone());
+    let dgamma = channel_sums(dz_x_hat);
     let dx = (dz - dbeta.clone().div_scalar(count) - x_hat * dgamma.clone().div_scalar(count))
         * inv_std
         * per_channel(gamma);
@@ -411,8 +417,12 @@ pub fn channels_first<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(tensor::<B, 4>(x).permute([0, 3, 1, 2]))
 }
 
-pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    prim(flat::<B>(x).square().sum().mul_scalar(0.5))
+/// Every tensor of `xs` copied into one vector, then squared and summed in one reduction: on
+/// a GPU a copy per tensor and three kernels in all, where a sum per tensor and the additions
+/// of the sums took four launches per tensor.
+pub fn half_squared_norm<B: Backend>(xs: Vec<FloatTensor<B>>) -> FloatTensor<B> {
+    let all = Tensor::cat(xs.into_iter().map(flat::<B>).collect(), 0);
+    prim(all.square().sum().mul_scalar(0.5))
 }
 
 pub fn add_scaled<B: Backend>(x: FloatTensor<B>, y: FloatTensor<B>, alpha: f32) -> FloatTensor<B> {
