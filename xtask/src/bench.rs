@@ -291,10 +291,11 @@ fn train_case(
     config.train.num_steps = (WARM_UP_STEPS + repeats) as u64;
     let model_dir = tempfile::tempdir_in(scratch)?;
     let options = quiet_run(model_dir.path(), in_memory);
-    let summary = parse_devices(Some(devices))?.0.run(TrainingJob {
+    let summary = TrainingJob {
         config: &config,
         options: &options,
-    })?;
+    }
+    .run_on(&parse_devices(Some(devices))?.0)?;
     let steps = &summary.step_seconds[WARM_UP_STEPS.min(summary.step_seconds.len())..];
     let total: f64 = summary.step_seconds.iter().sum();
     Ok(Measured {

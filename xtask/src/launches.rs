@@ -26,19 +26,22 @@ pub struct Request {
     pub configs: Vec<PathBuf>,
     /// Images per step.
     pub batch: usize,
-    /// Where the JSON report goes.
+    /// Where the JSON report goes; cubecl's execution log goes beside it (`.log`).
     pub out: PathBuf,
 }
 
-/// Logs every launch to a file of `scratch`: must run before any GPU work in this process.
-fn log_launches(scratch: &Path) -> PathBuf {
-    let log = scratch.join("cubecl-executions.log");
+/// Logs every launch to `log` (emptied first), where the report's counts come from and a
+/// reader can follow the kernels in order: must run before any GPU work in this process.
+fn log_launches(log: &Path) -> Result<PathBuf> {
+    if log.exists() {
+        std::fs::remove_file(log).with_context(|| format!("removing {}", log.display()))?;
+    }
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
     config.profiling.logger.level = ProfilingLogLevel::Minimal;
-    config.profiling.logger.file = Some(log.clone());
+    config.profiling.logger.file = Some(log.to_path_buf());
     config.profiling.logger.append = true;
     CubeClRuntimeConfig::set(config);
-    log
+    Ok(log.to_path_buf())
 }
 
 /// The launches logged so far, by kernel name.
@@ -75,7 +78,7 @@ fn settled(log: &Path) -> usize {
 /// Counts, prints and writes the report.
 pub fn run(request: &Request) -> Result<()> {
     let scratch = tempfile::tempdir()?;
-    let log = log_launches(scratch.path());
+    let log = log_launches(&request.out.with_extension("log"))?;
     let mut steps = Vec::new();
     for path in &request.configs {
         let kernels = step_launches(request, path, scratch.path(), &log)?;
@@ -128,10 +131,11 @@ fn step_launches(
         config.train.num_steps = step;
         let options = quiet_run(model_dir.path(), true);
         let before = settled_kernels(log);
-        devices.run(TrainingJob {
+        TrainingJob {
             config: &config,
             options: &options,
-        })?;
+        }
+        .run_on(&devices)?;
         let mut launched = settled_kernels(log);
         for (name, count) in before {
             *launched.entry(name).or_default() -= count;

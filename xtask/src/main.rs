@@ -81,7 +81,7 @@ enum Command {
         /// Images per step.
         #[arg(long, default_value_t = 12)]
         batch: usize,
-        /// The JSON report.
+        /// The JSON report; the execution log (each launch in order) goes beside it (`.log`).
         #[arg(long, default_value = "target/launches.json")]
         out: PathBuf,
     },

@@ -354,6 +354,10 @@ impl<B: SsdBackend> Ssd<B> {
     /// `sum(w^2) / 2` over every convolution kernel (biases and BatchNorm excluded), the
     /// quantity `tf.nn.l2_loss` regularises.
     pub fn l2_half_sum_of_squares(&self) -> Tensor<B, 1> {
-        crate::ops::half_squared_norm(self.kernels().into_iter().map(|k| k.val()).collect())
+        self.kernels()
+            .into_iter()
+            .map(|k| crate::ops::half_squared_norm(k.val()))
+            .reduce(|a, b| a + b)
+            .expect("the network has kernels")
     }
 }

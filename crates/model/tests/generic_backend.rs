@@ -177,6 +177,7 @@ type Run = (Vec<f32>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 fn compare_with(on: &str, run: &Run, want: &Run) {
     let d = Differences::between(run, want);
     eprintln!("{on} against the CPU kernels: {d:?}");
+    eprintln!("{on}: loss parts {:?} against {:?}", run.0, want.0);
     assert!(
         d.loss <= 1e-4 && d.detections <= 1e-4 && d.gradients <= 5e-3,
         "{on}: {d:?}"

@@ -337,17 +337,12 @@ impl SsdBackend for Flex {
         output(d, shape)
     }
 
-    /// Each tensor's sum by the CPU kernel, the sums added in order.
-    fn half_squared_norm(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
-        if xs.iter().any(|x| x.dtype() != DType::F32) {
-            return reference::half_squared_norm::<Self>(xs);
+    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 {
+            return reference::half_squared_norm::<Self>(x);
         }
-        let sum = xs
-            .iter()
-            .map(|x| cpu::half_squared_norm(values(&contiguous(x))))
-            .reduce(|a, b| a + b)
-            .unwrap_or(0.0);
-        output(vec![sum], [1])
+        let x = contiguous(&x);
+        output(vec![cpu::half_squared_norm(values(&x))], [1])
     }
 
     fn rmsprop_update(

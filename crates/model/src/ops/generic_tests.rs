@@ -283,7 +283,7 @@ fn inference_and_update_case<B: SsdBackend>(seed: u64) -> Outcome {
             [s6.clone(), h6.clone()],
         )),
         values(affine_relu6(x.mul_scalar(4.0), s6, h6)),
-        values(half_squared_norm(vec![weight.clone(), grad.clone()])),
+        values(half_squared_norm(weight.clone())),
         values(add_scaled(grad.clone(), weight.clone(), 0.5)),
         values(moving_average(weight, grad.clone(), 0.99)),
     ];

@@ -262,11 +262,10 @@ pub trait SsdBackend: Backend {
         reference::sigmoid_cross_entropy_backward::<Self>(logits, labels, grad)
     }
 
-    /// `sum(x^2) / 2` over every value of every tensor of `xs`, as a one-element tensor: TF's
-    /// `add_n` of `tf.nn.l2_loss` over the kernels (the L2 regulariser), formed as one term
-    /// rather than a term per kernel.
-    fn half_squared_norm(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
-        reference::half_squared_norm::<Self>(xs)
+    /// `sum(x^2) / 2` as a one-element tensor (TF's `tf.nn.l2_loss`, the L2 regulariser of
+    /// one kernel).
+    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::half_squared_norm::<Self>(x)
     }
 
     /// `x + alpha y` for tensors of one shape (a kernel's gradient plus its L2 gradient),
@@ -468,8 +467,8 @@ pub fn add_scaled<B: SsdBackend, const D: usize>(
 }
 
 /// [`SsdBackend::half_squared_norm`] on tensors.
-pub fn half_squared_norm<B: SsdBackend, const D: usize>(xs: Vec<Tensor<B, D>>) -> Tensor<B, 1> {
-    tensor(B::half_squared_norm(xs.into_iter().map(prim).collect()))
+pub fn half_squared_norm<B: SsdBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 1> {
+    tensor(B::half_squared_norm(prim(x)))
 }
 
 #[cfg(test)]

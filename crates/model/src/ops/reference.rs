@@ -242,20 +242,47 @@ fn depthwise_filter_grad<B: Backend>(
 /// partial sums, where `sum_dims(&[0, 2, 3])` makes three passes, each a kernel of its own on
 /// a GPU (a sum over a batch of one would be a kernel that copies).
 fn channel_sums<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    channel_reduction(x, |t, dim| t.sum_dim(dim))
+}
+
+/// The mean over the batch and space of each channel, `[1, c, 1, 1]`, as [`channel_sums`]
+/// reduces: a reduction computes the mean itself, where a sum divided by the count would
+/// take one more kernel (a per-channel operation does not join the element-wise kernels
+/// around it, which run over whole tensors).
+fn channel_means<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    channel_reduction(x, |t, dim| t.mean_dim(dim))
+}
+
+/// `reduce` over each image's planes, then over the batch when it has more than one image.
+fn channel_reduction<B: Backend>(
+    x: Tensor<B, 4>,
+    reduce: impl Fn(Tensor<B, 3>, usize) -> Tensor<B, 3>,
+) -> Tensor<B, 4> {
     let [batch, channels, h, w] = x.dims();
-    let per_image = x.reshape([batch, channels, h * w]).sum_dim(2);
-    let sums = if batch > 1 {
-        per_image.sum_dim(0)
+    let per_image = reduce(x.reshape([batch, channels, h * w]), 2);
+    let all = if batch > 1 {
+        reduce(per_image, 0)
     } else {
         per_image
     };
-    sums.reshape([1, channels, 1, 1])
+    all.reshape([1, channels, 1, 1])
 }
 
 fn per_channel<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
     let t = tensor::<B, 1>(t);
     let c = t.dims()[0];
     t.reshape([1, c, 1, 1])
+}
+
+/// `gamma / sqrt(variance + epsilon)` per channel and its second factor, `1 / sqrt(variance +
+/// epsilon)`, formed together: per-channel operations in a row make one GPU kernel.
+fn scale_and_inv_std<B: Backend>(
+    variance: Tensor<B, 4>,
+    gamma: FloatTensor<B>,
+    epsilon: f64,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let inv_std = variance.add_scalar(epsilon).sqrt().recip();
+    (inv_std.clone() * per_channel(gamma), inv_std)
 }
 
 pub fn batch_norm_relu6<B: Backend>(
@@ -265,13 +292,12 @@ pub fn batch_norm_relu6<B: Backend>(
     epsilon: f64,
 ) -> BatchNormOutput<B> {
     let x = tensor::<B, 4>(x);
-    let [batch, channels, h, w] = x.dims();
-    let count = (batch * h * w) as f64;
-    let mean = channel_sums(x.clone()).div_scalar(count);
+    let channels = x.dims()[1];
+    let mean = channel_means(x.clone());
     let centred = x - mean.clone();
-    let variance = channel_sums(centred.clone().square()).div_scalar(count);
-    let inv_std = variance.clone().add_scalar(epsilon).sqrt().recip();
-    let y = (centred * inv_std * per_channel(gamma) + per_channel(beta)).clamp(0.0, 6.0);
+    let variance = channel_means(centred.clone().square());
+    let (scale, _) = scale_and_inv_std(variance.clone(), gamma, epsilon);
+    let y = (centred * scale + per_channel(beta)).clamp(0.0, 6.0);
     BatchNormOutput {
         y: prim(y),
         mean: prim(mean.reshape([channels])),
@@ -279,6 +305,11 @@ pub fn batch_norm_relu6<B: Backend>(
     }
 }
 
+/// The gradients of [`batch_norm_relu6`] in four GPU kernels besides the two channel sums:
+/// the per-channel factors; `dz` and `dz x_hat`; the sums; `dx` as
+/// `(count dz - sum dz - x_hat sum(dz x_hat)) scale / count`, where the textbook
+/// `(dz - mean dz - x_hat mean(dz x_hat)) scale` would divide per channel between the sums
+/// and the element-wise kernel.
 pub fn batch_norm_relu6_backward<B: Backend>(
     x: FloatTensor<B>,
     grad: FloatTensor<B>,
@@ -291,23 +322,22 @@ pub fn batch_norm_relu6_backward<B: Backend>(
     let (x, grad) = (tensor::<B, 4>(x), tensor::<B, 4>(grad));
     let [batch, channels, h, w] = x.dims();
     let count = (batch * h * w) as f64;
-    let inv_std = per_channel(variance).add_scalar(epsilon).sqrt().recip();
+    let (scale, inv_std) = scale_and_inv_std(per_channel(variance), gamma, epsilon);
+    let dx_factor = scale.clone().div_scalar(count);
     let centred = x - per_channel(mean);
-    // ReLU6's input, as the forward pass computes it
-    let z = centred.clone() * inv_std.clone() * per_channel(gamma.clone()) + per_channel(beta);
-    // two masks rather than one of their union: a GPU backend's fusion takes comparisons and
-    // masked fills into the element-wise kernel around them, but not a boolean `or`
+    // ReLU6's input, as the forward pass computes it; two masks rather than one of their
+    // union: a GPU backend's fusion takes comparisons and masked fills into the element-wise
+    // kernel around them, but not a boolean `or`
+    let z = centred.clone() * scale + per_channel(beta);
     let dz = grad
         .mask_fill(z.clone().lower_equal_elem(0.0), 0.0)
         .mask_fill(z.greater_equal_elem(6.0), 0.0);
-    let x_hat = centred * inv_std.clone();
+    let x_hat = centred * inv_std;
     // formed before either sum, so that it joins the element-wise kernel that forms `dz`
     let dz_x_hat = dz.clone() * x_hat.clone();
     let dbeta = channel_sums(dz.clone());
     let dgamma = channel_sums(dz_x_hat);
-    let dx = (dz - dbeta.clone().div_scalar(count) - x_hat * dgamma.clone().div_scalar(count))
-        * inv_std
-        * per_channel(gamma);
+    let dx = (dz.mul_scalar(count) - dbeta.clone() - x_hat * dgamma.clone()) * dx_factor;
     BatchNormGrads {
         x: prim(dx),
         gamma: prim(dgamma.reshape([channels])),
@@ -417,12 +447,8 @@ pub fn channels_first<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(tensor::<B, 4>(x).permute([0, 3, 1, 2]))
 }
 
-/// Every tensor of `xs` copied into one vector, then squared and summed in one reduction: on
-/// a GPU a copy per tensor and three kernels in all, where a sum per tensor and the additions
-/// of the sums took four launches per tensor.
-pub fn half_squared_norm<B: Backend>(xs: Vec<FloatTensor<B>>) -> FloatTensor<B> {
-    let all = Tensor::cat(xs.into_iter().map(flat::<B>).collect(), 0);
-    prim(all.square().sum().mul_scalar(0.5))
+pub fn half_squared_norm<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    prim(flat::<B>(x).square().sum().mul_scalar(0.5))
 }
 
 pub fn add_scaled<B: Backend>(x: FloatTensor<B>, y: FloatTensor<B>, alpha: f32) -> FloatTensor<B> {

@@ -459,9 +459,9 @@ fn half_squared_norm_matches_exact_sum() {
             .sum::<f64>()
             / 2.0;
         let want = vec![exact as f32];
-        let fast = half_squared_norm(vec![w.clone()]);
+        let fast = half_squared_norm(w.clone());
         assert_close(&format!("kernel {n}"), values(fast), want.clone(), 1e-6);
-        let slow = tensor::<Flex, 1>(reference::half_squared_norm::<Flex>(vec![prim(w)]));
+        let slow = tensor::<Flex, 1>(reference::half_squared_norm::<Flex>(prim(w)));
         assert_close(&format!("reference {n}"), values(slow), want, 1e-5);
     }
 }

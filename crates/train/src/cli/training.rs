@@ -121,10 +121,11 @@ fn train(args: TrainArgs, job: Option<(&Launch, Nodes)>) -> Result<ExitCode> {
         nodes: job.map(|(_, nodes)| nodes),
         repeat_first_batch: false,
     };
-    let summary = devices.run(TrainingJob {
+    let summary = TrainingJob {
         config: &config,
         options: &options,
-    })?;
+    }
+    .run_on(&devices)?;
     if leader {
         print_summary(&summary, &model_dir);
     }

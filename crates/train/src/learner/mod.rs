@@ -167,12 +167,24 @@ pub fn train<B: SsdBackend>(
     run.finish()
 }
 
-/// [`train`] as a [`BackendJob`], for [`crate::devices::Devices::run`].
+/// [`train`] as a [`BackendJob`]: [`TrainingJob::run_on`] runs it on a device list.
 pub struct TrainingJob<'a> {
     /// The config to train.
     pub config: &'a TrainConfig,
     /// How the run is driven.
     pub options: &'a RunOptions,
+}
+
+impl TrainingJob<'_> {
+    /// Trains on `devices`. Not generic on purpose: the training code is compiled for each
+    /// backend once, in this library, where each caller of the generic
+    /// [`Devices::run`](crate::devices::Devices::run) (the `train` binary, `xtask`) would
+    /// compile its own copy, minutes of a release build each. Left out of this library's
+    /// unit-test build, which would compile it for nothing.
+    #[cfg(not(test))]
+    pub fn run_on(self, devices: &crate::devices::Devices) -> Result<RunSummary> {
+        devices.run(self)
+    }
 }
 
 impl BackendJob for TrainingJob<'_> {
