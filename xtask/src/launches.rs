@@ -32,7 +32,7 @@ pub struct Request {
 
 /// Logs every launch to `log` (emptied first), where the report's counts come from and a
 /// reader can follow the kernels in order: must run before any GPU work in this process.
-fn log_launches(log: &Path) -> Result<PathBuf> {
+fn log_launches(log: &Path) -> Result<()> {
     if log.exists() {
         std::fs::remove_file(log).with_context(|| format!("removing {}", log.display()))?;
     }
@@ -41,7 +41,7 @@ fn log_launches(log: &Path) -> Result<PathBuf> {
     config.profiling.logger.file = Some(log.to_path_buf());
     config.profiling.logger.append = true;
     CubeClRuntimeConfig::set(config);
-    Ok(log.to_path_buf())
+    Ok(())
 }
 
 /// The launches logged so far, by kernel name.
@@ -78,7 +78,8 @@ fn settled(log: &Path) -> usize {
 /// Counts, prints and writes the report.
 pub fn run(request: &Request) -> Result<()> {
     let scratch = tempfile::tempdir()?;
-    let log = log_launches(&request.out.with_extension("log"))?;
+    let log = request.out.with_extension("log");
+    log_launches(&log)?;
     let mut steps = Vec::new();
     for path in &request.configs {
         let kernels = step_launches(request, path, scratch.path(), &log)?;
