@@ -455,23 +455,34 @@ pub fn add_scaled<B: Backend>(x: FloatTensor<B>, y: FloatTensor<B>, alpha: f32) 
     B::float_add(x, B::float_mul_scalar(y, alpha.into()))
 }
 
+// The two updates below work on the primitives, whatever their rank, with no reshape: a
+// reshape of a weight between its update and its average keeps a fusion backend from
+// joining the two into one kernel.
+
 pub fn rmsprop_update<B: Backend>(
     state: RmsPropState<B>,
     grad: FloatTensor<B>,
     step: RmsPropStep,
 ) -> RmsPropState<B> {
-    let shape = grad.shape();
-    let (w, g) = (flat::<B>(state.weights), flat::<B>(grad));
-    let (ms, mom) = (flat::<B>(state.mean_square), flat::<B>(state.momentum));
-    let ms = ms.mul_scalar(step.decay) + g.clone().square().mul_scalar(1.0 - step.decay);
-    let mom = mom.mul_scalar(step.momentum)
-        + g.mul_scalar(step.learning_rate) / ms.clone().add_scalar(step.epsilon).sqrt();
-    let w = w - mom.clone();
-    let back = |t: Tensor<B, 1>| B::float_reshape(prim(t), shape.clone());
+    let RmsPropState {
+        weights,
+        mean_square,
+        momentum,
+    } = state;
+    let square = B::float_powi_scalar(grad.clone(), 2.into());
+    let ms = B::float_add(
+        B::float_mul_scalar(mean_square, step.decay.into()),
+        B::float_mul_scalar(square, (1.0 - step.decay).into()),
+    );
+    let root = B::float_sqrt(B::float_add_scalar(ms.clone(), step.epsilon.into()));
+    let mom = B::float_add(
+        B::float_mul_scalar(momentum, step.momentum.into()),
+        B::float_div(B::float_mul_scalar(grad, step.learning_rate.into()), root),
+    );
     RmsPropState {
-        weights: back(w),
-        mean_square: back(ms),
-        momentum: back(mom),
+        weights: B::float_sub(weights, mom.clone()),
+        mean_square: ms,
+        momentum: mom,
     }
 }
 
@@ -480,7 +491,6 @@ pub fn moving_average<B: Backend>(
     value: FloatTensor<B>,
     keep: f32,
 ) -> FloatTensor<B> {
-    let shape = average.shape();
-    let (a, v) = (flat::<B>(average), flat::<B>(value));
-    B::float_reshape(prim(a.clone() - (a - v).mul_scalar(1.0 - keep)), shape)
+    let step = B::float_mul_scalar(B::float_sub(average.clone(), value), (1.0 - keep).into());
+    B::float_sub(average, step)
 }

@@ -9,8 +9,6 @@ use std::thread::JoinHandle;
 
 use anyhow::{Context, Result, bail};
 use burn::module::AutodiffModule;
-use burn::optim::Optimizer;
-use burn::optim::adaptor::OptimizerAdaptor;
 use burn::record::Recorder;
 use data::loader::Batch;
 use model::BBox;
@@ -231,7 +229,7 @@ fn build_replica<B: SsdBackend>(
     let config = blueprint.config;
     let model =
         weights_from_bytes::<Train<B>>(&config.model, start_weights, Path::new("start"), device)?;
-    let mut optim: Optim<B> = OptimizerAdaptor::from(TfOptimizer::from(&config.train.optimizer));
+    let mut optim = Optim::<B>::new(TfOptimizer::from(&config.train.optimizer));
     if let Some(bytes) = &blueprint.start.optimizer {
         let rec = OptimRecorder::default()
             .load(bytes.clone(), device)

@@ -10,8 +10,7 @@ use std::time::Instant;
 
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
-use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::GradientsParams;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
@@ -25,14 +24,15 @@ use serde::Serialize;
 
 use crate::config::TrainConfig;
 use crate::optim::ema::Ema;
-use crate::optim::{TfOptimizer, clip_by_global_norm, squared_global_norm};
+use crate::optim::network::NetworkOptimizer;
+use crate::optim::{clip_by_global_norm, squared_global_norm};
 use crate::sync::{
     Bucketing, GradientSync, bn_stats_flat, flatten_gradients, ranges_flat, set_bn_stats_flat,
     set_ranges_flat, unflatten_gradients, weight_checksum,
 };
 
 pub(super) type Train<B> = Autodiff<B>;
-pub(super) type Optim<B> = OptimizerAdaptor<TfOptimizer, Ssd<Train<B>>, Train<B>>;
+pub(super) type Optim<B> = NetworkOptimizer<Train<B>>;
 pub(super) type OptimRecorder = NamedMpkBytesRecorder<FullPrecisionSettings>;
 
 /// Values at the start of a step's averaged tail: the four loss parts, the stop request,
@@ -291,17 +291,17 @@ impl<B: SsdBackend> Replica<B> {
             grads = clip_by_global_norm(self.model(), grads, max_norm, squared_norm);
         }
         // taken, not cloned: holding the only reference to each weight and slot, the
-        // optimizer updates them in place (and likewise the EMA its shadow)
+        // optimizer updates them in place
         let model = self
             .model
             .take()
             .expect("a replica holds its network between steps");
+        let mut averaging = self.ema.take().map(|ema| ema.averaging(step + 1));
         let model = self
-            .model
-            .insert(self.optim.step(learning_rate, model, grads));
-        if let Some(ema) = self.ema.take() {
-            self.ema = Some(ema.update(&model.valid(), step + 1));
-        }
+            .optim
+            .step(learning_rate, model, grads, averaging.as_mut());
+        self.model = Some(model);
+        self.ema = averaging.map(|a| a.finish());
     }
 
     fn model(&self) -> &Ssd<Train<B>> {

@@ -8,8 +8,9 @@
 use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 use model::Ssd;
 use model::ops::{SsdBackend, moving_average};
 
@@ -32,39 +33,67 @@ pub struct Ema<B: Backend> {
     trainable: HashSet<ParamId>,
 }
 
-struct Collect<B: Backend> {
-    values: HashMap<ParamId, Tensor<B, 1>>,
+/// One update of the shadow weights, fed the new value of each weight in turn
+/// ([`Averaging::add`]): the optimizer feeds each weight right after updating it, so that
+/// on a fusion backend the update and the average of one weight, queued one after the
+/// other, run as one kernel.
+pub struct Averaging<B: Backend> {
+    ema: Ema<B>,
+    /// The shadow values of the trainable parameters not yet fed.
+    before: HashMap<ParamId, FloatTensor<B>>,
+    /// The new shadow values. Kept as primitives, of any rank: a reshape of a weight
+    /// between its update and its average would keep a fusion backend from joining them.
+    after: HashMap<ParamId, FloatTensor<B>>,
+    keep: f32,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Collect<B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let t = param.val();
-        let n = t.shape().num_elements();
-        self.values.insert(param.id, t.reshape([n]));
+impl<B: SsdBackend> Averaging<B> {
+    /// Takes the new value of parameter `id`: a trainable parameter's shadow moves towards
+    /// it, any other parameter's shadow becomes a copy of it.
+    pub fn add<const D: usize>(&mut self, id: ParamId, value: Tensor<B, D>) {
+        let shadow = match self.before.remove(&id) {
+            Some(before) => {
+                let before = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(before));
+                let value = value.to_device(&before.device());
+                moving_average(before, value, self.keep)
+            }
+            None => value,
+        };
+        self.after.insert(id, shadow.into_primitive().tensor());
+    }
+
+    /// The average with every value fed; parameters not fed keep their shadow.
+    pub fn finish(self) -> Ema<B> {
+        let mut ema = self.ema;
+        ema.shadow = ema.shadow.map(&mut Replace { after: self.after });
+        ema
     }
 }
 
-struct Blend<'a, B: Backend> {
-    current: HashMap<ParamId, Tensor<B, 1>>,
+struct Collect<'a, B: Backend> {
     trainable: &'a HashSet<ParamId>,
-    keep: f64,
+    values: HashMap<ParamId, FloatTensor<B>>,
 }
 
-impl<B: SsdBackend> ModuleMapper<B> for Blend<'_, B> {
+impl<B: Backend> ModuleVisitor<B> for Collect<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.trainable.contains(&param.id) {
+            let value = param.val().into_primitive().tensor();
+            self.values.insert(param.id, value);
+        }
+    }
+}
+
+struct Replace<B: Backend> {
+    after: HashMap<ParamId, FloatTensor<B>>,
+}
+
+impl<B: Backend> ModuleMapper<B> for Replace<B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let Some(current) = self.current.remove(&param.id) else {
-            return param;
-        };
-        let trainable = self.trainable.contains(&param.id);
-        let keep = self.keep;
-        param.map(|shadow| {
-            let current = current.reshape(shadow.dims()).to_device(&shadow.device());
-            if trainable {
-                moving_average(shadow, current, keep as f32)
-            } else {
-                current
-            }
-        })
+        match self.after.remove(&param.id) {
+            Some(after) => param.map(|_| Tensor::from_primitive(TensorPrimitive::Float(after))),
+            None => param,
+        }
     }
 }
 
@@ -81,20 +110,20 @@ impl<B: SsdBackend> Ema<B> {
         }
     }
 
-    /// The average after one update with the weights after `num_updates` optimizer steps
-    /// (by value: the shadow weights nobody else holds are updated in place).
-    pub fn update(mut self, current: &Ssd<B>, num_updates: u64) -> Self {
+    /// The update that follows `num_updates` optimizer steps, to be fed the new weights.
+    pub fn averaging(self, num_updates: u64) -> Averaging<B> {
         let mut collect = Collect {
+            trainable: &self.trainable,
             values: HashMap::new(),
         };
-        current.visit(&mut collect);
-        let mut blend = Blend {
-            current: collect.values,
-            trainable: &self.trainable,
-            keep: ema_decay(self.decay, self.warmup, num_updates),
-        };
-        self.shadow = self.shadow.map(&mut blend);
-        self
+        self.shadow.visit(&mut collect);
+        let before = collect.values;
+        Averaging {
+            keep: ema_decay(self.decay, self.warmup, num_updates) as f32,
+            ema: self,
+            before,
+            after: HashMap::new(),
+        }
     }
 
     /// The averaged network.
@@ -174,7 +203,16 @@ mod tests {
             .unwrap();
         let gamma_id = a.backbone.conv0.bn.gamma.id;
         let trainable: HashSet<ParamId> = [a.backbone.conv0.conv.weight.id].into();
-        let ema = Ema::new(a, 0.9999, true, trainable).update(&b, 10);
+        // fed in the network's order, as the optimizer feeds it
+        struct Feed<'a>(&'a mut Averaging<Flex>);
+        impl ModuleVisitor<Flex> for Feed<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Flex, D>>) {
+                self.0.add(p.id, p.val());
+            }
+        }
+        let mut averaging = Ema::new(a, 0.9999, true, trainable).averaging(10);
+        b.visit(&mut Feed(&mut averaging));
+        let ema = averaging.finish();
         // d = 11 / 20: shadow = w0 - 0.45 (w0 - w1)
         let s = ema
             .shadow()

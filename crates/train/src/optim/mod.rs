@@ -17,6 +17,7 @@ use model::ops::{RmsPropStep, SsdBackend, rmsprop_update};
 use crate::config::OptimizerConfig;
 
 pub mod ema;
+pub mod network;
 
 /// The update rule and its constants.
 #[derive(Debug, Clone, Copy, PartialEq)]
