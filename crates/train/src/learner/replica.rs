@@ -15,7 +15,7 @@ use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use data::loader::Batch;
-use model::loss::compute_loss;
+use model::loss::compute_step_loss;
 use model::ops::SsdBackend;
 use model::targets::assign_targets;
 use model::weights::weights_to_bytes;
@@ -171,7 +171,7 @@ impl<B: SsdBackend> Replica<B> {
         if let (Some(q), Some(model)) = (&self.config.model.quantization, self.model.as_mut()) {
             model.set_fake_quant_active(step >= q.delay);
         }
-        let (grads, tail) = self.gradients(batch, read.stop);
+        let (grads, tail) = self.gradients(batch, read);
         let averaged = self.average(grads, tail)?;
         if !self.sync.single_replica() {
             self.share_ranges(&averaged.tail);
@@ -209,8 +209,9 @@ impl<B: SsdBackend> Replica<B> {
 
     /// This replica's gradients and a tail of values to average with them: the loss parts,
     /// the stop request, the matched and mined anchors per image ([`LOSS_TAIL`] values), then
-    /// the activation ranges of quantization-aware training.
-    fn gradients(&self, batch: Batch, stop: bool) -> (GradientsParams, Tensor<B, 1>) {
+    /// the activation ranges of quantization-aware training. The L2 term's value is formed
+    /// only where the step reads its loss.
+    fn gradients(&self, batch: Batch, read: Reading) -> (GradientsParams, Tensor<B, 1>) {
         let cfg = &self.config.model;
         let coder = cfg.box_coder();
         let targets: Vec<_> = batch
@@ -219,11 +220,18 @@ impl<B: SsdBackend> Replica<B> {
             .map(|gt| assign_targets(&cfg.matcher, &coder, &self.anchors, gt))
             .collect();
         let images = batch.images_tensor::<Train<B>>(&self.device);
-        let loss = compute_loss(self.model(), cfg, &self.anchors, images, &targets);
+        let loss = compute_step_loss(
+            self.model(),
+            cfg,
+            &self.anchors,
+            images,
+            &targets,
+            read.loss,
+        );
         let grads = loss.gradients(self.model());
         let images = targets.len().max(1) as f32;
         let host_values = vec![
-            if stop { 1.0f32 } else { 0.0 },
+            if read.stop { 1.0f32 } else { 0.0 },
             loss.num_matches as f32 / images,
             loss.num_mined_negatives as f32 / images,
         ];
