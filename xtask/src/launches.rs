@@ -82,15 +82,25 @@ pub fn run(request: &Request) -> Result<()> {
     log_launches(&log)?;
     let mut steps = Vec::new();
     for path in &request.configs {
-        let kernels = step_launches(request, path, scratch.path(), &log)?;
+        let (kernels, step_seconds) = step_launches(request, path, scratch.path(), &log)?;
         let per_step: f64 = kernels.values().sum();
         println!(
-            "{}, batch {}, --devices {}: {per_step:.0} launches per training step",
+            "{}, batch {}, --devices {}: {per_step:.0} launches per training step; steps of {} s (kernels compiled and tuned, launches logged)",
             path.display(),
             request.batch,
-            request.device
+            request.device,
+            step_seconds
+                .iter()
+                .map(|s| format!("{s:.3}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
-        steps.push(json!({"config": path, "launches_per_step": per_step, "kernels": kernels}));
+        steps.push(json!({
+            "config": path,
+            "launches_per_step": per_step,
+            "kernels": kernels,
+            "step_seconds": step_seconds,
+        }));
     }
     let layers = parse_device(&request.device)?.run(DepthwiseLaunches {
         batch: request.batch,
@@ -118,21 +128,22 @@ pub fn run(request: &Request) -> Result<()> {
 /// Launches per step of the config file `path`, by kernel name: after two warm-up steps
 /// (kernels compiled and tuned), a run of one more step and a run of three, each resuming the
 /// last; the difference is two steps' launches, with what a run does besides its steps
-/// (loading, the last checkpoint) cancelled.
+/// (loading, the last checkpoint) cancelled. Also the seconds of the three steps of the
+/// last run: the steady step time of the device (the last step reads its loss).
 fn step_launches(
     request: &Request,
     path: &Path,
     scratch: &Path,
     log: &Path,
-) -> Result<BTreeMap<String, f64>> {
+) -> Result<(BTreeMap<String, f64>, Vec<f64>)> {
     let mut config = bench_config(path, request.batch, scratch)?;
     let model_dir = tempfile::tempdir_in(scratch)?;
     let devices = parse_device(&request.device)?;
-    let mut run_to = |step: u64| -> Result<Kernels> {
+    let mut run_to = |step: u64| -> Result<(Kernels, Vec<f64>)> {
         config.train.num_steps = step;
         let options = quiet_run(model_dir.path(), true);
         let before = settled_kernels(log);
-        TrainingJob {
+        let summary = TrainingJob {
             config: &config,
             options: &options,
         }
@@ -141,22 +152,23 @@ fn step_launches(
         for (name, count) in before {
             *launched.entry(name).or_default() -= count;
         }
-        Ok(launched)
+        Ok((launched, summary.step_seconds))
     };
     run_to(2)?;
-    let one = run_to(3)?;
-    let three = run_to(6)?;
+    let (one, _) = run_to(3)?;
+    let (three, step_seconds) = run_to(6)?;
     let per_step = |name: &String| {
         let count = |run: &Kernels| run.get(name).copied().unwrap_or(0) as f64;
         (count(&three) - count(&one)) / 2.0
     };
     let names: Vec<String> = one.keys().chain(three.keys()).cloned().collect();
-    Ok(names
+    let kernels = names
         .into_iter()
         .map(|name| (per_step(&name), name))
         .filter(|(count, _)| *count != 0.0)
         .map(|(count, name)| (name, count))
-        .collect())
+        .collect();
+    Ok((kernels, step_seconds))
 }
 
 /// Launches of each depthwise layer's backward pass (input and filter gradients), counted on a
