@@ -508,15 +508,18 @@ mod tests {
     #[test]
     fn a_step_without_the_l2_value_has_the_same_gradients() {
         use burn::module::{Module, ModuleVisitor, Param};
-        let Case {
-            config,
-            net,
-            anchors,
-            images,
-            targets,
-        } = small_case();
+        let case = small_case();
+        let net = &case.net;
         let step = |l2_value| {
-            compute_step_loss(&net, &config, &anchors, images.clone(), &targets, l2_value)
+            let images = case.images.clone();
+            compute_step_loss(
+                net,
+                &case.config,
+                &case.anchors,
+                images,
+                &case.targets,
+                l2_value,
+            )
         };
         let (full, skipped) = (step(true), step(false));
         assert!(values(full.regularization.clone())[0] > 0.0);
@@ -533,7 +536,7 @@ mod tests {
                 }
             }
         }
-        let grads = [full.gradients(&net), skipped.gradients(&net)];
+        let grads = [full.gradients(net), skipped.gradients(net)];
         let mut same = Same([&grads[0], &grads[1]], 0);
         net.visit(&mut same);
         assert!(same.1 > 50, "{} gradients compared", same.1);

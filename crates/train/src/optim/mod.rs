@@ -1,5 +1,6 @@
 //! Optimizers with TensorFlow's update rules (Burn's RMSProp is PyTorch-style), as Burn
-//! `SimpleOptimizer`s so they plug into `OptimizerAdaptor` (state records, checkpoints).
+//! `SimpleOptimizer`s: their slots are kept in the records of Burn's `OptimizerAdaptor`
+//! (checkpoints), and [`network::NetworkOptimizer`] applies them over a network.
 //!
 //! - RMSProp (`tf.train.RMSPropOptimizer`): `ms <- decay ms + (1 - decay) g^2` with `ms`
 //!   starting at 1, `mom <- momentum mom + lr g / sqrt(ms + epsilon)`, `w <- w - mom`.
