@@ -5,7 +5,8 @@
 # ONNX exports of that run and of the TF-written 37-class pets-config fixture in TFLite
 # (`ai-edge-litert`) and ONNX Runtime against our Detector (scripts/deploy_check.py), and the
 # run's int8 TFLite export next to its float one on held-out images (scripts/int8_check.py), also
-# after a few steps of quantization-aware training. Uses the
+# after a few steps of quantization-aware training; and runs the Python examples of
+# docs/src/deploying.md as written against `train detect` (scripts/guide_examples.py). Uses the
 # release binaries and the `reference_outputs` example (build them first: `cargo build
 # --release --workspace --all-targets`); the Python packages go into a venv under target/
 # (PYTHON_READERS_VENV to choose another). Without PyPI access the venv cannot be made: the
@@ -76,3 +77,13 @@ grep -q "learned in quantization-aware training" "$work/train.log" ||
   { echo "the QAT run's int8 export calibrated instead of taking its learned ranges" >&2; exit 1; }
 int8_check pets 0.45 --model-dir crates/model/tests/fixtures/tf/ssd/model.ckpt \
   --config scripts/tf-fixtures/pipeline.config
+# the guide's Python examples as written, against `train detect` on the same weights and image:
+# on the pets fixture, whose scores move by about 1e-3 when the input is resized otherwise (the
+# CI run's 20-step model scores every input within 1e-7 the same)
+guide_image=${images[0]}
+"$bin/train" detect --model-dir "$work/pets.safetensors" --out "$work/guide-detect" \
+  --score-threshold 0 --max-detections 100 "$guide_image" >/dev/null 2>>"$work/train.log" ||
+  { cat "$work/train.log" >&2; exit 1; }
+"$venv/bin/python" scripts/guide_examples.py docs/src/deploying.md "$guide_image" \
+  "$work/guide-detect/detections.json" "$work/pets.reference.json" --tflite "$work/pets.tflite" \
+  --onnx "$work/pets.onnx" --int8 "$work/pets.int8.tflite" --score 0.8

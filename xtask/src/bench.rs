@@ -276,6 +276,7 @@ pub(crate) fn quiet_run(model_dir: &Path, in_memory: bool) -> RunOptions {
         verbose: false,
         nodes: None,
         repeat_first_batch: in_memory,
+        without_lock: false,
     }
 }
 
@@ -504,7 +505,7 @@ fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured>
         seed: 1,
         workers,
         prefetch: 4,
-        share: (0, 1),
+        share: None,
     };
     let mut rates = Vec::new();
     for round in 0..repeats as u64 {

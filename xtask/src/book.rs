@@ -2,7 +2,9 @@
 //! and the program they describe. Every chapter in `SUMMARY.md` exists and every chapter is
 //! in it; every relative link leads to a file, and every `#anchor` to a heading there; every
 //! `train` and `cargo xtask` command in a shell block names a subcommand and flags that the
-//! built binaries' `--help` lists. So the guide cannot drift from the program unnoticed.
+//! built binaries' `--help` lists; every `{{#include FILE}}` names a file that exists; and
+//! README's copies of generated files (the figures of `cargo xtask figures`, between marker
+//! comments) equal the files. So the guide cannot drift from the program unnoticed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -15,6 +17,7 @@ use anyhow::{Context, Result, bail};
 pub fn check(root: &Path, bin_dir: &Path) -> Result<()> {
     let pages = pages(root)?;
     let mut problems = summary_problems(root, &pages)?;
+    problems.extend(generated_problems(root)?);
     let mut help = Help::new(bin_dir);
     for (path, text) in &pages {
         let name = path
@@ -22,7 +25,10 @@ pub fn check(root: &Path, bin_dir: &Path) -> Result<()> {
             .unwrap_or(path)
             .display()
             .to_string();
-        for problem in link_problems(path, text, &pages) {
+        for problem in link_problems(path, text, &pages)
+            .into_iter()
+            .chain(include_problems(path, text))
+        {
             problems.push(format!("{name}: {problem}"));
         }
         for (line, command) in commands(text) {
@@ -156,6 +162,41 @@ fn link_problems(path: &Path, text: &str, pages: &BTreeMap<PathBuf, String>) -> 
         }
     }
     problems
+}
+
+/// `{{#include FILE}}` directives of the page at `path` whose file does not exist (mdBook
+/// resolves them from the page's folder; a `:anchor` or line range after the name is left
+/// out).
+fn include_problems(path: &Path, text: &str) -> Vec<String> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    text.match_indices("{{#include ")
+        .filter_map(|(at, directive)| {
+            let rest = &text[at + directive.len()..];
+            let target = rest[..rest.find("}}")?].trim();
+            let file = target.split(':').next().unwrap_or(target);
+            (!dir.join(file).is_file()).then(|| format!("includes {file}, which does not exist"))
+        })
+        .collect()
+}
+
+/// README's copies of generated files that differ from the files (or name a file that does
+/// not exist): regenerate with `cargo xtask figures`, which writes both.
+fn generated_problems(root: &Path) -> Result<Vec<String>> {
+    let path = root.join("README.md");
+    let readme =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut problems = Vec::new();
+    for (name, copy, line) in crate::figures::readme_blocks(&readme)? {
+        let file = root.join(&name);
+        match std::fs::read_to_string(&file) {
+            Ok(text) if text.trim_end() == copy.trim_end() => {}
+            Ok(_) => problems.push(format!(
+                "README.md:{line}: the copy of {name} differs from the file (run `cargo xtask figures`, which writes both)"
+            )),
+            Err(e) => problems.push(format!("README.md:{line}: reading {name}: {e}")),
+        }
+    }
+    Ok(problems)
 }
 
 /// The anchors of a page's headings, as mdBook and GitHub make them: lower case, spaces to
@@ -503,6 +544,47 @@ mod tests {
             has_flag(help, "--model-dir") && has_flag(help, "--no-eval") && has_flag(help, "--out")
         );
         assert!(!has_flag(help, "--model") && !has_flag(help, "--no") && !has_flag(help, "--eval"));
+    }
+
+    #[test]
+    fn readme_copies_of_generated_files_must_equal_them() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let name = "docs/src/figures/run.md";
+        std::fs::create_dir_all(dir.path().join("docs/src/figures")).expect("mkdir");
+        std::fs::write(dir.path().join(name), "| a | 1 |\n").expect("write");
+        let readme = |body: &str| {
+            let text = format!(
+                "# R\n\n{}\n{body}{}\n",
+                crate::figures::begin_marker(name),
+                crate::figures::end_marker(name)
+            );
+            std::fs::write(dir.path().join("README.md"), text).expect("write");
+        };
+        readme("| a | 1 |\n");
+        assert!(generated_problems(dir.path()).expect("check").is_empty());
+        readme("| a | 2 |\n");
+        let problems = generated_problems(dir.path()).expect("check");
+        assert_eq!(problems.len(), 1);
+        assert!(
+            problems[0].starts_with("README.md:3: the copy of docs/src/figures/run.md differs"),
+            "{problems:?}"
+        );
+        std::fs::remove_file(dir.path().join(name)).expect("remove");
+        readme("| a | 1 |\n");
+        assert!(generated_problems(dir.path()).expect("check")[0].contains("reading"));
+    }
+
+    #[test]
+    fn includes_must_name_existing_files() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::create_dir_all(dir.path().join("figures")).expect("mkdir");
+        std::fs::write(dir.path().join("figures/run.md"), "x").expect("write");
+        let page = dir.path().join("perf.md");
+        let text = "a\n{{#include figures/run.md}}\n{{#include figures/gone.md:2:5}}\n";
+        assert_eq!(
+            include_problems(&page, text),
+            ["includes figures/gone.md, which does not exist".to_string()]
+        );
     }
 
     #[test]

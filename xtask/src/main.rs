@@ -1,10 +1,11 @@
 //! Developer and dataset tasks: `cargo xtask prepare-data`, `cargo xtask inspect`,
 //! `cargo xtask bench`, `cargo xtask launches`, `cargo xtask coco-file`, `cargo xtask
-//! check-book`.
+//! check-book`, `cargo xtask figures`.
 
 mod bench;
 mod book;
 mod coco_file;
+mod figures;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod launches;
 
@@ -41,6 +42,28 @@ enum Command {
     /// Check the guide (docs/src) and README.md: chapters, links and anchors, and every
     /// `train` / `cargo xtask` command against the built binaries' --help.
     CheckBook {
+        /// The repository's root.
+        #[arg(long, default_value = ".")]
+        root: PathBuf,
+    },
+    /// The figures of a finished training run (time, images/s, VOC mAP@0.5 and COCO AP, with
+    /// the date, commit and machine) as Markdown for the guide, and README.md's copy of them.
+    Figures {
+        /// The finished run's model dir.
+        #[arg(long, default_value = "runs/synthetic")]
+        model_dir: PathBuf,
+        /// The run's training config, where the model dir holds no config.json.
+        #[arg(long, default_value = "configs/synthetic.json")]
+        config: PathBuf,
+        /// The Markdown file written (README.md's block of the same name is replaced too).
+        #[arg(long, default_value = "docs/src/figures/default-run.md")]
+        out: PathBuf,
+        /// The command that trained the run, as the figures state it.
+        #[arg(long, default_value = "cargo run --release -p train -- --devices cpu")]
+        run_command: String,
+        /// A remark on the measurement, e.g. other work running on the machine.
+        #[arg(long)]
+        note: Option<String>,
         /// The repository's root.
         #[arg(long, default_value = ".")]
         root: PathBuf,
@@ -182,6 +205,21 @@ fn main() -> Result<()> {
             let exe = std::env::current_exe().context("finding this program")?;
             book::check(&root, exe.parent().unwrap_or(Path::new(".")))
         }
+        Command::Figures {
+            model_dir,
+            config,
+            out,
+            run_command,
+            note,
+            root,
+        } => figures::run(&figures::Request {
+            root,
+            model_dir,
+            config,
+            out,
+            run_command,
+            note,
+        }),
         Command::Bench {
             out,
             repeats,
@@ -301,7 +339,7 @@ fn prepare(args: PrepareArgs) -> Result<()> {
         let out = args
             .out
             .clone()
-            .unwrap_or_else(|| PathBuf::from("datasets/synthetic"));
+            .unwrap_or_else(|| PathBuf::from(data::prepare::SYNTHETIC_DIR));
         if is_prepared(
             &out,
             &synthetic_request(args.seed, args.train, args.val, args.num_shards),

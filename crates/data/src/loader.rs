@@ -42,11 +42,11 @@ pub struct LoaderConfig {
     pub workers: usize,
     /// Batches prepared ahead.
     pub prefetch: usize,
-    /// Which share of every global batch this loader makes: `(part, parts)` yields the
-    /// `part`-th of `parts` equal consecutive slices (one machine's share in multi-node
-    /// training); `(0, 1)` is the whole batch. Augmentation depends only on the global slot,
-    /// so the shares together equal the whole batch.
-    pub share: (usize, usize),
+    /// Which slots of every global batch this loader makes (one machine's share in
+    /// multi-node training, in proportion to its replicas); `None` is the whole batch.
+    /// Augmentation depends only on the global slot, so the shares together equal the whole
+    /// batch.
+    pub share: Option<std::ops::Range<usize>>,
 }
 
 /// Where the data stream stands: the next sample is number `index` of epoch `epoch`'s order.
@@ -191,8 +191,8 @@ fn batch_start(start: Position, n: u64, records: usize, batch: usize) -> Positio
 fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Result<Batch> {
     let order = epoch_order(index.len(), config.seed, at.epoch, config.shuffle);
     let [h, w] = config.image_size;
-    let (part, parts) = config.share;
-    let len = config.batch_size / parts;
+    let slots = config.share.clone().unwrap_or(0..config.batch_size);
+    let len = slots.len();
     let mut batch = Batch {
         images: Vec::with_capacity(len * 3 * h * w),
         image_size: config.image_size,
@@ -208,7 +208,7 @@ fn make_batch(index: &RecordIndex, config: &LoaderConfig, at: Position) -> Resul
         .iter()
         .copied()
         .enumerate()
-        .skip(at.index + part * len)
+        .skip(at.index + slots.start)
         .take(len)
         .collect();
     let samples = slots
@@ -241,14 +241,15 @@ pub struct Loader {
 impl Loader {
     /// Starts the workers at `start`. Fails when the data cannot fill one batch.
     pub fn new(index: Arc<RecordIndex>, config: LoaderConfig, start: Position) -> Result<Self> {
-        let (part, parts) = config.share;
         let first_file = index.files().first().cloned().unwrap_or_default();
         let first_file = || first_file.clone();
-        if parts == 0 || part >= parts || !config.batch_size.is_multiple_of(parts) {
+        if let Some(share) = &config.share
+            && (share.is_empty() || share.end > config.batch_size)
+        {
             return Err(DataError::invalid(
                 first_file(),
                 format!(
-                    "share {part} of {parts} does not divide a batch of {}",
+                    "slots {share:?} are not a share of a batch of {}",
                     config.batch_size
                 ),
             ));

@@ -133,6 +133,10 @@ pub(crate) fn replace_set(
     Ok(summaries)
 }
 
+/// Where `cargo xtask prepare-data` writes the synthetic set, and where
+/// `configs/synthetic.json` reads it.
+pub const SYNTHETIC_DIR: &str = "datasets/synthetic";
+
 /// Writes the synthetic cats-and-dogs set: `train` images in `num_shards` shards and `val`
 /// images (indices after the training ones) in one shard. `progress` gets the images done.
 /// An older set in `out` is replaced only once the new one is complete.

@@ -39,12 +39,77 @@ pub fn expand_patterns<S: AsRef<str>>(patterns: &[S]) -> Result<Vec<PathBuf>> {
             }
         }
         if files.len() == before {
-            return Err(DataError::invalid(pattern, "no file matches"));
+            let hint = nearest_existing(Path::new(pattern));
+            return Err(DataError::invalid(
+                pattern,
+                format!("no file matches{hint}"),
+            ));
         }
     }
     files.sort();
     files.dedup();
     Ok(files)
+}
+
+/// What exists nearest to a pattern that matched nothing, for its error: the closest names
+/// in the deepest folder of the pattern that exists (so `datasets/synthtic/train-*` points at
+/// `datasets/synthetic`), or that the folder is empty.
+fn nearest_existing(pattern: &Path) -> String {
+    let is_glob =
+        |c: &std::path::Component| c.as_os_str().to_string_lossy().contains(['*', '?', '[']);
+    let mut folder = PathBuf::new();
+    let mut wanted = None;
+    let components: Vec<_> = pattern.components().collect();
+    for (i, component) in components.iter().enumerate() {
+        let next = folder.join(component);
+        if is_glob(component) || !next.is_dir() {
+            let name = component.as_os_str().to_string_lossy().into_owned();
+            // a folder is wanted where more of the pattern follows
+            wanted = Some((name, i + 1 < components.len()));
+            break;
+        }
+        folder = next;
+    }
+    let (Some((wanted, a_folder)), Ok(entries)) = (wanted, std::fs::read_dir(shown(&folder)))
+    else {
+        return String::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let is_dir = e.file_type().ok()?.is_dir();
+            (is_dir || !a_folder).then(|| e.file_name().to_string_lossy().into_owned())
+        })
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    if names.is_empty() {
+        return match a_folder {
+            true => format!(" (no folder {wanted} in {})", shown(&folder).display()),
+            false => format!(" ({} is empty)", shown(&folder).display()),
+        };
+    }
+    let total = names.len();
+    names.sort_by_key(|n| (strsim::levenshtein(n, &wanted), n.clone()));
+    names.truncate(3);
+    let places: Vec<String> = names
+        .iter()
+        .map(|n| folder.join(n).display().to_string())
+        .collect();
+    let more = if total > names.len() {
+        format!(" and {} more", total - names.len())
+    } else {
+        String::new()
+    };
+    format!(" (nearest: {}{more})", places.join(", "))
+}
+
+/// `.` for the empty relative path.
+fn shown(folder: &Path) -> &Path {
+    if folder.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        folder
+    }
 }
 
 /// Shards open at once. More (`--num-shards 2000`) could exceed the limit of open files
@@ -281,6 +346,34 @@ mod tests {
             files
         );
         assert!(expand_patterns(&[format!("{}/none-*", dir.path().display())]).is_err());
+        // a typo in a folder's name: the error points at the folder meant
+        let typo = dir.path().join("synthtic/train.record-*");
+        let err = expand_patterns(&[typo.display().to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.ends_with(&format!("(no folder synthtic in {})", dir.path().display())),
+            "{err}"
+        );
+        let meant = dir.path().join("synthetic");
+        std::fs::create_dir(&meant).unwrap();
+        let err_beside = expand_patterns(&[typo.display().to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("synthtic/train.record-*: no file matches"),
+            "{err}"
+        );
+        assert!(
+            err_beside.contains(&format!("nearest: {}", meant.display())),
+            "{err_beside}"
+        );
+        // a typo in a file pattern: the files beside it
+        let err = expand_patterns(&[format!("{}-0*-of-00004", base.display())])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("train.record-00000-of-00003"), "{err}");
+        std::fs::remove_dir(&meant).unwrap();
         // only the three shards are in the folder
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
     }

@@ -115,7 +115,7 @@ fn loader_config(batch_size: usize) -> LoaderConfig {
         seed: 1,
         workers: 1,
         prefetch: 1,
-        share: (0, 1),
+        share: None,
     }
 }
 

@@ -556,7 +556,7 @@ fn the_loader_reads_the_coco_labels_back() {
         seed: 1,
         workers: 1,
         prefetch: 1,
-        share: (0, 1),
+        share: None,
     };
     let batch = Loader::new(index.clone(), config, Position::default())
         .unwrap()

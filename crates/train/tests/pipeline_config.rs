@@ -182,6 +182,27 @@ fn unsupported_settings_are_all_named_with_their_lines() {
     ] {
         assert!(e.contains(want), "missing `{want}` in:\n{e}");
     }
+    // a misspelt field is named with the field it was meant to be
+    let e = format!(
+        "{:#}",
+        import_text(&MINIMAL.replace("num_classes: 2", "num_clases: 2")).unwrap_err()
+    );
+    assert!(
+        e.contains(
+            "model.ssd.num_clases (line 3): unknown field `num_clases`, did you mean `num_classes`?"
+        ),
+        "{e}"
+    );
+    let keras = MINIMAL.replace(
+        "type: \"ssd_mobilenet_v1\"",
+        "type: \"ssd_mobilenet_v1_keras\"",
+    );
+    assert_ne!(keras, MINIMAL);
+    let e = format!("{:#}", import_text(&keras).unwrap_err());
+    assert!(
+        e.contains("is a TF2 (Keras) feature extractor, which is not supported"),
+        "{e}"
+    );
     let faster = "model { faster_rcnn { num_classes: 3 } }";
     let e = format!("{:#}", import_text(faster).unwrap_err());
     assert!(e.contains("only `ssd` models"), "{e}");

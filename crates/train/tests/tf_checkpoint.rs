@@ -406,6 +406,7 @@ fn a_pipeline_config_with_a_tf_checkpoint_trains_from_it() {
         verbose: false,
         nodes: None,
         repeat_first_batch: false,
+        without_lock: false,
     };
     let summary = train::learner::train::<B>(&config, &[Default::default()], &options).unwrap();
     assert_eq!(summary.step, 1);

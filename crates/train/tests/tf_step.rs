@@ -134,7 +134,7 @@ fn batch(config: &TrainConfig) -> Batch {
         seed: 0,
         workers: 1,
         prefetch: 1,
-        share: (0, 1),
+        share: None,
     };
     Loader::new(Arc::new(index), loader_config, Position::default())
         .unwrap()
@@ -467,6 +467,7 @@ fn check_learner_step(config: &TrainConfig, tf: &Tf, run: &str, replicas: usize)
         verbose: false,
         nodes: None,
         repeat_first_batch: false,
+        without_lock: false,
     };
     train::<B>(config, &vec![Default::default(); replicas], &options).unwrap();
     let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();

@@ -22,13 +22,14 @@ pub struct EvalArgs {
     #[arg(long, conflicts_with_all = ["ground_truth", "detections"])]
     model_dir: Option<PathBuf>,
     /// Training config (JSON or pipeline.config): the model config (default: the one
-    /// stored with the weights) and `data.eval` / `eval` settings.
+    /// stored with the weights) and `data.eval` / `eval` settings (default: the config the
+    /// run kept in its model dir, `config.json`).
     #[arg(long)]
     config: Option<PathBuf>,
     /// Raw or moving-average weights (default: the moving average where there is one).
     #[arg(long, value_enum)]
     weights: Option<Weights>,
-    /// Evaluation TFRecords (default: the config's `data.eval`).
+    /// Evaluation TFRecords (default: `data.eval` of --config, else of the run's own config).
     #[arg(long, num_args = 1..)]
     data: Vec<String>,
     /// COCO ground truth JSON.
@@ -79,16 +80,25 @@ fn eval_checkpoint(args: &EvalArgs) -> Result<Metrics> {
     let dir = args.model_dir.as_deref().context("--model-dir")?;
     let trained =
         TrainedModel::locate(dir, config.as_ref().map(|c| c.model.clone()), args.weights)?;
-    let (patterns, settings) = config.map(|c| (c.data.eval, c.eval)).unwrap_or_default();
-    let patterns = if args.data.is_empty() {
-        patterns
-    } else {
-        args.data.clone()
+    // the data: --data, else the config's, else the config the run kept in its model dir
+    let (config, source) = match (config, &args.config) {
+        (Some(c), Some(file)) => (Some(c), file.display().to_string()),
+        _ => match TrainConfig::of_run(dir)? {
+            Some((file, c)) => (Some(c), format!("the run's config {}", file.display())),
+            None => (None, String::new()),
+        },
     };
-    if patterns.is_empty() {
-        bail!("no evaluation data: pass --data or set `data.eval` in the config");
-    }
-    let index = RecordIndex::build(&expand_patterns(&patterns)?)?;
+    let (patterns, settings) = config.map(|c| (c.data.eval, c.eval)).unwrap_or_default();
+    let index = if args.data.is_empty() {
+        if patterns.is_empty() {
+            bail!("no evaluation data: pass --data, or a --config whose `data.eval` names it");
+        }
+        let files = expand_patterns(&patterns)
+            .with_context(|| format!("`data.eval` of {source}: pass --data where it moved"))?;
+        RecordIndex::build(&files)?
+    } else {
+        RecordIndex::build(&expand_patterns(&args.data).context("--data")?)?
+    };
     parse_device(&args.device)?.run(Evaluation {
         trained: &trained,
         settings: &settings,

@@ -39,7 +39,8 @@ pub struct ExportArgs {
     /// records; all of them when there are fewer).
     #[arg(long, default_value_t = 100, value_parser = positive)]
     calibration_images: usize,
-    /// Calibration TFRecords (default: the config's `data.train`).
+    /// Calibration TFRecords (default: `data.train` of --config, else of the config the run
+    /// kept in its model dir).
     #[arg(long, num_args = 1..)]
     calibration_data: Vec<String>,
     /// The int8 model's input: `uint8` camera pixels, `int8` pixels minus 128, or the float
@@ -94,8 +95,11 @@ impl Quantization {
         // checked when a float-trained model needs them (quantization-aware training brings
         // its own ranges)
         let data = match (&args.checkpoint.config, args.calibration_data.is_empty()) {
+            (_, false) => args.calibration_data.clone(),
             (Some(config), true) => TrainConfig::load(config)?.data.train,
-            _ => args.calibration_data.clone(),
+            (None, true) => TrainConfig::of_run(&args.checkpoint.model_dir)?
+                .map(|(_, c)| c.data.train)
+                .unwrap_or_default(),
         };
         let input = match args.input_type {
             InputArg::Uint8 => InputType::Uint8,
@@ -129,10 +133,11 @@ impl Quantization {
         if self.data.is_empty() {
             bail!(
                 "--quantize int8 calibrates a float-trained model on training images: pass \
-                 --calibration-data or a --config whose data.train names them"
+                 --calibration-data, or a --config whose data.train names them (a model dir \
+                 written by `train` keeps its config)"
             );
         }
-        let what = "the calibration records (--calibration-data, or the config's data.train)";
+        let what = "the calibration records (--calibration-data, else data.train of --config or of the run's config.json)";
         let files = expand_patterns(&self.data).context(what)?;
         let index = RecordIndex::build(&files).context(what)?;
         if index.is_empty() {

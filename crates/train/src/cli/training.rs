@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Result, anyhow};
+use data::prepare::SYNTHETIC_DIR;
 use data::shards::expand_patterns;
 use train::config::TrainConfig;
 use train::devices::{check_memory, cuda_device_count, parse_devices};
@@ -23,8 +24,9 @@ pub struct TrainArgs {
     /// local rank), else `cpu`.
     #[arg(long)]
     devices: Option<String>,
-    /// Training config (JSON).
-    #[arg(long, default_value = "configs/synthetic.json")]
+    /// Training config: JSON, or the TF Object Detection API's `pipeline.config` (a
+    /// `.config` file, imported on the fly).
+    #[arg(long, default_value = DEFAULT_CONFIG)]
     config: PathBuf,
     /// Where checkpoints, metrics and evaluations go (default: runs/<config name>). An
     /// existing checkpoint there is resumed.
@@ -48,7 +50,22 @@ pub struct TrainArgs {
     /// Skip evaluation (benchmarks).
     #[arg(long, conflicts_with = "eval_data")]
     no_eval: bool,
+    /// Train without locking the model dir, on a filesystem that refuses locks (Lustre
+    /// mounted `noflock`): nothing then stops a second run on the same dir from mixing its
+    /// checkpoints and logs with this one's.
+    #[arg(long)]
+    risk_concurrent_writers: bool,
+    /// In a multi-node run, the longest wait in seconds for the other processes in an
+    /// exchange (MPI's or NCCL's) before the job is ended: a process that died or lost its
+    /// link never answers. It must exceed the longest evaluation and checkpoint of rank 0,
+    /// which the others wait for.
+    #[arg(long, default_value_t = 1800, value_name = "SECONDS")]
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))] // a build without MPI has no job
+    node_timeout: u64,
 }
+
+/// The config a bare `train` trains, relative to the checkout's root.
+const DEFAULT_CONFIG: &str = "configs/synthetic.json";
 
 /// Trains as `args` say and prints what the run did; the exit status tells a stop request
 /// ([`STOPPED_EXIT_STATUS`]) from the end of the run. A process of a job of several (mpirun,
@@ -65,7 +82,8 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
 /// fails it says why and ends the whole job.
 #[cfg(feature = "mpi")]
 fn train_in_job(args: TrainArgs, launch: &Launch) -> Result<ExitCode> {
-    let (session, nodes) = MpiSession::start().map_err(|e| anyhow!(e))?;
+    let timeout = std::time::Duration::from_secs(args.node_timeout);
+    let (session, nodes) = MpiSession::start(timeout).map_err(|e| anyhow!(e))?;
     if (nodes.rank, nodes.count()) != (launch.rank, launch.processes) {
         anyhow::bail!(
             "{} says process {} of {}, MPI says {} of {}: is this binary linked against the MPI library of the launcher?",
@@ -104,7 +122,7 @@ fn train(args: TrainArgs, job: Option<(&Launch, Nodes)>) -> Result<ExitCode> {
     }
     let config = config_with_overrides(&args)?;
     check_memory(&config, &devices)?;
-    ensure_training_data(&config)?;
+    ensure_training_data(&config, &args)?;
     let model_dir = args.model_dir.clone().unwrap_or_else(|| {
         PathBuf::from("runs").join(
             args.config
@@ -120,6 +138,7 @@ fn train(args: TrainArgs, job: Option<(&Launch, Nodes)>) -> Result<ExitCode> {
         verbose: leader,
         nodes: job.map(|(_, nodes)| nodes),
         repeat_first_batch: false,
+        without_lock: args.risk_concurrent_writers,
     };
     let summary = TrainingJob {
         config: &config,
@@ -127,13 +146,19 @@ fn train(args: TrainArgs, job: Option<(&Launch, Nodes)>) -> Result<ExitCode> {
     }
     .run_on(&devices)?;
     if leader {
-        print_summary(&summary, &model_dir);
+        print_summary(&summary, &model_dir, config.train.num_steps);
     }
     if summary.stopped {
         if leader {
             eprintln!(
-                "stopped on request at step {} of {}: run the same command to resume (exit status {STOPPED_EXIT_STATUS})",
-                summary.step, config.train.num_steps
+                "stopped on request at step {} of {}{}: run the same command to resume (exit status {STOPPED_EXIT_STATUS})",
+                summary.step,
+                config.train.num_steps,
+                if summary.step == config.train.num_steps {
+                    ", before the final evaluation"
+                } else {
+                    ""
+                }
             );
         }
         return Ok(ExitCode::from(STOPPED_EXIT_STATUS));
@@ -156,6 +181,12 @@ fn devices_spec(args: &TrainArgs, launch: Option<&Launch>) -> Option<String> {
 
 /// The config file with the command line's overrides, validated.
 fn config_with_overrides(args: &TrainArgs) -> Result<TrainConfig> {
+    if args.config == Path::new(DEFAULT_CONFIG) && !args.config.exists() {
+        anyhow::bail!(
+            "no {DEFAULT_CONFIG} here ({}): pass --config FILE (JSON or pipeline.config), or run from the checkout's root for the synthetic default",
+            std::env::current_dir().map_or_else(|_| "?".into(), |d| d.display().to_string())
+        );
+    }
     let mut config = TrainConfig::load(&args.config)?;
     if let Some(n) = args.num_steps {
         config.train.num_steps = n;
@@ -179,26 +210,47 @@ fn config_with_overrides(args: &TrainArgs) -> Result<TrainConfig> {
     Ok(config)
 }
 
-/// Generates the synthetic set where the config asks for it and its data is missing.
-fn ensure_training_data(config: &TrainConfig) -> Result<()> {
-    if !config.data.synthetic_if_missing || expand_patterns(&config.data.train).is_ok() {
+/// Generates the synthetic set where the config asks for it, its data paths are that set's
+/// own, no flag named other data and the files are missing; nothing is written anywhere else
+/// (a mistyped path is the learner's error, naming it and what exists nearest).
+fn ensure_training_data(config: &TrainConfig, args: &TrainArgs) -> Result<()> {
+    let out = Path::new(SYNTHETIC_DIR);
+    let own = |split: &str| vec![format!("{SYNTHETIC_DIR}/{split}.record-*")];
+    let wanted = config.data.synthetic_if_missing
+        && args.train_data.is_empty()
+        && args.eval_data.is_empty()
+        && config.data.train == own("train")
+        && (config.data.eval.is_empty() || config.data.eval == own("val"));
+    if !wanted || expand_patterns(&config.data.train).is_ok() {
         return Ok(());
     }
-    let pattern = PathBuf::from(&config.data.train[0]);
-    let out = pattern
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("datasets/synthetic"));
     eprintln!(
-        "training data {} missing: generating the synthetic set into {}",
+        "training data {} missing: generating the synthetic set into {} (`cargo xtask prepare-data` does the same)",
         config.data.train[0],
         out.display()
     );
-    data::prepare::prepare_synthetic(&out, 42, 3000, 300, 4, &|_, _| {})?;
+    data::prepare::prepare_synthetic(out, 42, 3000, 300, 4, &|_, _| {})?;
     Ok(())
 }
 
-fn print_summary(summary: &RunSummary, model_dir: &Path) {
+fn print_summary(summary: &RunSummary, model_dir: &Path, num_steps: u64) {
+    if summary.steps_this_run == 0 && !summary.stopped {
+        match &summary.metrics {
+            None => eprintln!(
+                "nothing to do: {} is at step {} and the config's num_steps is {num_steps} (--num-steps trains further)",
+                model_dir.display(),
+                summary.step
+            ),
+            Some(m) => {
+                eprintln!(
+                    "done: the final evaluation of step {}, which a stop request had interrupted",
+                    summary.step
+                );
+                print_metrics(m);
+            }
+        }
+        return;
+    }
     eprintln!(
         "done: step {} ({} this run) in {:.0} s, {:.2} images/s, {:.1}% of the time in gradient sync; last loss {:.4}",
         summary.step,

@@ -7,7 +7,7 @@ mod schedule;
 pub mod settings;
 mod validate;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
@@ -28,13 +28,62 @@ impl TrainConfig {
         }
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config {}", path.display()))?;
-        let config: Self =
-            serde_json::from_str(&text).with_context(|| format!("config {}", path.display()))?;
+        let config = parse_json(&text).with_context(|| format!("config {}", path.display()))?;
         config
             .validate()
             .with_context(|| format!("config {}", path.display()))?;
         Ok(config)
     }
+}
+
+/// The file of a model dir that keeps the whole config of the run that wrote it (as the API
+/// copies `pipeline.config` into its model dir): `eval` and `export` take their data from it.
+pub const RUN_CONFIG_FILE: &str = "config.json";
+
+impl TrainConfig {
+    /// Keeps this config in `model_dir` as the run's own ([`RUN_CONFIG_FILE`], atomically).
+    pub fn keep_in(&self, model_dir: &Path) -> Result<()> {
+        let path = model_dir.join(RUN_CONFIG_FILE);
+        let json = serde_json::to_string_pretty(self)? + "\n";
+        model::io::write_atomic(&path, json.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// The config kept by the run that wrote `path` (a model dir, or a checkpoint folder in
+    /// one), with its file; `None` where there is none (an export, a TF checkpoint, a run
+    /// that kept none).
+    pub fn of_run(path: &Path) -> Result<Option<(PathBuf, Self)>> {
+        let candidates = [Some(path), path.parent()];
+        let Some(file) = candidates
+            .into_iter()
+            .flatten()
+            .map(|dir| dir.join(RUN_CONFIG_FILE))
+            .find(|f| f.is_file())
+        else {
+            return Ok(None);
+        };
+        Ok(Some((file.clone(), Self::load(&file)?)))
+    }
+}
+
+/// A JSON config, its errors naming the field by its path (`train.batch_size`) and what the
+/// field takes in words a config's writer knows, besides serde's line and column.
+fn parse_json(text: &str) -> Result<TrainConfig> {
+    let mut json = serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let plain = e
+            .inner()
+            .to_string()
+            .replace("expected usize", "expected a whole number of at least 0")
+            .replace("expected u64", "expected a whole number of at least 0")
+            .replace("expected u32", "expected a whole number of at least 0")
+            .replace("expected f32", "expected a number")
+            .replace("expected f64", "expected a number");
+        match e.path().to_string().as_str() {
+            "." => anyhow::anyhow!("{plain}"),
+            field => anyhow::anyhow!("`{field}`: {plain}"),
+        }
+    })
 }
 
 #[cfg(test)]
@@ -113,10 +162,59 @@ mod tests {
         }
         let text = std::fs::read_to_string(dir.join("synthetic.json")).unwrap();
         let bad = text.replacen("\"batch_size\"", "\"batch_sise\"", 1);
-        let err = serde_json::from_str::<TrainConfig>(&bad)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("batch_sise"), "{err}");
+        let err = parse_json(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains(
+                "`train.batch_sise`: unknown field `batch_sise`, expected one of `batch_size`"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_run_keeps_its_config_and_its_checkpoints_find_it() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut c = TrainConfig::load(&dir.join("synthetic.json")).unwrap();
+        c.data.eval = vec!["elsewhere/val-*".into()];
+        let run = tempfile::tempdir().unwrap();
+        let ckpt = run.path().join("ckpt-000010");
+        std::fs::create_dir(&ckpt).unwrap();
+        assert!(TrainConfig::of_run(&ckpt).unwrap().is_none());
+        c.keep_in(run.path()).unwrap();
+        for place in [run.path(), &ckpt] {
+            let (file, kept) = TrainConfig::of_run(place).unwrap().unwrap();
+            assert_eq!(file, run.path().join(RUN_CONFIG_FILE));
+            assert_eq!(kept, c);
+        }
+    }
+
+    #[test]
+    fn type_errors_name_the_field_the_value_and_what_it_takes() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let text = std::fs::read_to_string(dir.join("synthetic.json")).unwrap();
+        for (from, to, message) in [
+            (
+                "\"batch_size\": 16",
+                "\"batch_size\": \"16\"",
+                "`train.batch_size`: invalid type: string \"16\", expected a whole number of at least 0",
+            ),
+            (
+                "\"num_steps\": 3000",
+                "\"num_steps\": -5",
+                "`train.num_steps`: invalid value: integer `-5`, expected a whole number of at least 0",
+            ),
+            (
+                "\"decay\": 0.99",
+                "\"decay\": \"high\"",
+                "`model.batch_norm.decay`: invalid type: string \"high\", expected a number",
+            ),
+        ] {
+            let bad = text.replacen(from, to, 1);
+            assert_ne!(bad, text, "{from}");
+            let err = parse_json(&bad).unwrap_err().to_string();
+            assert!(err.contains(message), "{err}");
+            assert!(err.contains(" at line "), "{err}");
+        }
     }
 
     #[test]
@@ -255,6 +353,11 @@ mod tests {
             (
                 Augmentation::RandomPadImage { max_scale: 0.5 },
                 "`data.augmentation[2].max_scale`: [1, 0.5]",
+            ),
+            // a canvas no memory holds, refused before a loader thread allocates it
+            (
+                Augmentation::RandomPadImage { max_scale: 1e9 },
+                "`data.augmentation[2].max_scale`: [1, 1000000000] is not a range within [1, 8]",
             ),
         ];
         for (step, message) in cases {

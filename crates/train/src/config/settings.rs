@@ -213,7 +213,10 @@ pub struct DataSettings {
     /// Batches prepared ahead.
     #[serde(default = "default_prefetch")]
     pub prefetch: usize,
-    /// When the training data is missing and this is true, generate the synthetic set.
+    /// Generate the synthetic set into `datasets/synthetic` when this is true, `train` and
+    /// `eval` are that set's own paths (`datasets/synthetic/{train,val}.record-*`, as in
+    /// `configs/synthetic.json`), no command-line flag names other data, and the files are
+    /// missing. Any other path that matches nothing is an error naming it.
     #[serde(default)]
     pub synthetic_if_missing: bool,
 }

@@ -160,6 +160,10 @@ impl LearningRate {
     }
 }
 
+/// The largest `random_pad_image.max_scale`: a canvas of 64 times the image's area (a
+/// 500-pixel image padded to 4000 pixels a side, 48 MB), far beyond the API's recipes (2).
+const MAX_PAD_SCALE: f32 = 8.0;
+
 /// Every augmentation step's ranges: finite, ordered, and inside what the step can do (an
 /// empty or inverted range would otherwise fail inside a loader thread).
 fn validate_augmentation(steps: &[Augmentation]) -> Result<()> {
@@ -183,8 +187,9 @@ fn validate_augmentation(steps: &[Augmentation]) -> Result<()> {
                 [*min_delta, *max_delta],
                 [0.0, f32::MAX],
             )?,
+            // the canvas is allocated: its side is at most MAX_PAD_SCALE times the image's
             Augmentation::RandomPadImage { max_scale } => {
-                check_range(&field, "max_scale", [1.0, *max_scale], [1.0, f32::MAX])?
+                check_range(&field, "max_scale", [1.0, *max_scale], [1.0, MAX_PAD_SCALE])?
             }
             Augmentation::SsdRandomCrop { operations } => {
                 for (j, op) in operations.iter().enumerate() {

@@ -37,6 +37,10 @@ pub enum Devices {
     Wgpu(Vec<usize>),
 }
 
+/// The forms `--devices` takes, for its errors.
+const ACCEPTED: &str =
+    "accepted: CUDA ordinals `0` or `0,1`, `cpu`, `cpu:N` (N replicas), `wgpu` or `wgpu:0,1`";
+
 /// The devices of a `--devices` value: CUDA ordinals `0,1`, `cpu` (one replica), `cpu:N`
 /// (N replicas on the CPU), `wgpu` (the default wgpu adapter) or `wgpu:0,1` (two wgpu
 /// devices); `None`: every CUDA device found, else the CPU. Also returns the line that tells
@@ -48,7 +52,7 @@ pub fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
         Some(s) if s.starts_with("cpu:") => {
             let n: usize = s[4..]
                 .parse()
-                .with_context(|| format!("--devices {s}: expected cpu:N"))?;
+                .with_context(|| format!("--devices {s}: expected cpu:N ({ACCEPTED})"))?;
             if n == 0 {
                 bail!("--devices {s}: at least one replica");
             }
@@ -86,7 +90,9 @@ fn default_devices() -> (Devices, String) {
     if n > 0 {
         return (
             Devices::Cuda((0..n).collect()),
-            format!("{n} CUDA device(s) found: training on all of them"),
+            format!(
+                "{n} CUDA device(s) found: training on all of them (the first steps compile GPU kernels, minutes on a fresh machine; `--devices cpu` trains on the CPU)"
+            ),
         );
     }
     (
@@ -112,7 +118,7 @@ fn indices(spec: &str, list: &str, what: &str) -> Result<Vec<usize>> {
         .map(|p| {
             p.trim()
                 .parse::<usize>()
-                .with_context(|| format!("--devices {spec}: `{p}` is not {what}"))
+                .with_context(|| format!("--devices {spec}: `{p}` is not {what} ({ACCEPTED})"))
         })
         .collect()
 }
@@ -236,8 +242,11 @@ mod tests {
         assert_eq!(parse_devices(Some("cpu")).unwrap().0, Devices::Cpu(1));
         assert_eq!(parse_devices(Some("cpu:3")).unwrap().0, Devices::Cpu(3));
         for bad in ["cpu:0", "cpu:x", "gpu", "0,a", "wgpu:", "wgpu:0,x"] {
-            let err = parse_devices(Some(bad)).unwrap_err().to_string();
+            let err = format!("{:#}", parse_devices(Some(bad)).unwrap_err());
             assert!(err.contains(bad), "{bad}: {err}");
+            if bad != "cpu:0" {
+                assert!(err.contains(ACCEPTED), "{bad}: {err}");
+            }
         }
     }
 

@@ -33,13 +33,24 @@ pub fn devices(ids: &[usize]) -> Result<Vec<WgpuDevice>> {
 /// Device 0: Burn's default device, opened the way Burn opens it.
 fn open_first() -> Result<WgpuDevice> {
     let device = WgpuDevice::DefaultDevice;
-    // cubecl panics where no adapter exists; say what to install instead
+    // cubecl panics where no adapter exists: say what to install instead, without the panic's
+    // own report (the hook is silenced while the adapter is looked for, on this thread alone
+    // at start-up)
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
     let setup = catch_unwind(AssertUnwindSafe(|| {
         init_setup::<AutoGraphicsApi>(&device, RuntimeOptions::default())
-    }))
-    .map_err(|_| {
+    }));
+    std::panic::set_hook(hook);
+    let setup = setup.map_err(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("no reason given");
         anyhow!(
-            "--devices wgpu: no GPU adapter found (on Linux install a Vulkan driver, e.g. Debian's `mesa-vulkan-drivers`)"
+            "--devices wgpu: no GPU adapter found (on Linux install a Vulkan driver, e.g. Debian's `mesa-vulkan-drivers`; wgpu said: {})",
+            why.lines().next().unwrap_or(why)
         )
     })?;
     let info = setup.adapter.get_info();

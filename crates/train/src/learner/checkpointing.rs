@@ -45,15 +45,7 @@ pub(super) fn save<B: SsdBackend>(
     state: RunState,
     device: &B::Device,
 ) -> Result<Saved<B>> {
-    let ema = match &snapshot.ema {
-        Some(bytes) => Some(weights_from_bytes::<B>(
-            &config.model,
-            bytes.clone(),
-            Path::new("ema"),
-            device,
-        )?),
-        None => None,
-    };
+    let ema = ema_network(config, &snapshot, device)?;
     let checkpoint_state = CheckpointState {
         step: state.step,
         position: state.position,
@@ -80,4 +72,38 @@ pub(super) fn save<B: SsdBackend>(
         model: *snapshot.model,
         ema,
     })
+}
+
+/// The networks of checkpoint `dir`, written by an earlier run, from the snapshot of the
+/// replicas that resumed it (to evaluate it without writing it again).
+pub(super) fn written<B: SsdBackend>(
+    config: &TrainConfig,
+    dir: PathBuf,
+    step: u64,
+    snapshot: Snapshot<B>,
+    device: &B::Device,
+) -> Result<Saved<B>> {
+    let ema = ema_network(config, &snapshot, device)?;
+    Ok(Saved {
+        dir,
+        step,
+        model: *snapshot.model,
+        ema,
+    })
+}
+
+/// The snapshot's EMA weights as a network, where the run keeps them.
+fn ema_network<B: SsdBackend>(
+    config: &TrainConfig,
+    snapshot: &Snapshot<B>,
+    device: &B::Device,
+) -> Result<Option<Ssd<B>>> {
+    snapshot
+        .ema
+        .as_ref()
+        .map(|bytes| {
+            weights_from_bytes::<B>(&config.model, bytes.clone(), Path::new("ema"), device)
+        })
+        .transpose()
+        .map_err(Into::into)
 }

@@ -41,9 +41,7 @@ impl ModelDirLock {
                 dir.display(),
                 holder(&path)
             ),
-            Err(TryLockError::Error(e)) => {
-                return Err(e).with_context(|| format!("locking {}", path.display()));
-            }
+            Err(TryLockError::Error(e)) => return Err(refused(&path, &e)),
         }
         // the holder's details are for people; the lock itself is the kernel's
         file.set_len(0)
@@ -52,6 +50,15 @@ impl ModelDirLock {
             .with_context(|| format!("writing {}", path.display()))?;
         Ok(Self { _file: file })
     }
+}
+
+/// The error of a filesystem that has no locks (Lustre mounted `noflock` answers ENOSYS):
+/// what it said, and the two ways on.
+fn refused(path: &Path, e: &std::io::Error) -> anyhow::Error {
+    anyhow::anyhow!(
+        "locking {}: the filesystem refused the lock ({e}). Lustre mounted without `flock` and NFS mounted `nolock` do not lock; train on a filesystem that does, or pass --risk-concurrent-writers to train without the lock (nothing then stops a second run on this dir)",
+        path.display()
+    )
 }
 
 /// "pid P on HOST since TIME" for this process.
@@ -90,5 +97,19 @@ mod tests {
         drop(first);
         let again = ModelDirLock::acquire(dir.path());
         assert!(again.is_ok(), "{again:?}");
+    }
+
+    #[test]
+    fn a_filesystem_without_locks_is_named_with_the_way_on() {
+        // what flock(2) returns on Lustre mounted `noflock`
+        let enosys = std::io::Error::from_raw_os_error(38);
+        let err = refused(Path::new("run/.lock"), &enosys).to_string();
+        assert!(
+            err.starts_with(
+                "locking run/.lock: the filesystem refused the lock (Function not implemented"
+            ),
+            "{err}"
+        );
+        assert!(err.contains("--risk-concurrent-writers"), "{err}");
     }
 }

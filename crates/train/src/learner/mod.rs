@@ -55,6 +55,9 @@ pub struct RunOptions {
     /// once it has made that batch, so the steps run without the data pipeline beside them
     /// (checkpoints then record the position after the first batch).
     pub repeat_first_batch: bool,
+    /// Train without the model dir's lock, where the filesystem has none (`train
+    /// --risk-concurrent-writers`): nothing then stops a second run on the same dir.
+    pub without_lock: bool,
 }
 
 /// What a run did.
@@ -97,23 +100,30 @@ pub fn train<B: SsdBackend>(
     options: &RunOptions,
 ) -> Result<RunSummary> {
     let shape = RunShape::of(devices.len(), options.nodes.as_ref(), config)?;
+    let per_replica = config.train.batch_size / shape.total_replicas();
+    // the data first: a path that matches nothing leaves no model dir behind
+    let (index, eval_index) = record_indexes(config)?;
     std::fs::create_dir_all(&options.model_dir)
         .with_context(|| format!("creating {}", options.model_dir.display()))?;
     // held to the end of the run: one writer per model dir
-    let _lock = match shape.leader() {
+    let _lock = match shape.leader() && !options.without_lock {
         true => Some(ModelDirLock::acquire(&options.model_dir)?),
         false => None,
     };
+    if shape.leader() {
+        config.keep_in(&options.model_dir)?;
+    }
     let log = RunLog::open(&options.model_dir, shape.leader(), options.verbose)?;
-    let (index, eval_index) = record_indexes(config)?;
     log.say(format!(
-        "{} training records in {} files; global batch {} = {} node(s) x {} replica(s) x {}",
+        "{} training records in {} files; global batch {} = {} replica(s){} x {per_replica}",
         index.len(),
         index.files().len(),
         config.train.batch_size,
-        shape.nodes,
-        shape.replicas,
-        config.train.batch_size / shape.replicas / shape.nodes
+        shape.total_replicas(),
+        match shape.nodes {
+            1 => String::new(),
+            n => format!(" over {n} processes ({})", shape.describe_counts()),
+        },
     ));
     if let Some(q) = &config.model.quantization {
         log.say(format!(
@@ -136,7 +146,7 @@ pub fn train<B: SsdBackend>(
             transfer.describe()
         ));
     }
-    let exchange = (shape.replicas, transfer);
+    let exchange = ((shape.replicas, shape.total_replicas()), transfer);
     let sync = connect::<B>(options.nodes.as_ref(), exchange, &devices[0], &log);
     let pool = ReplicaPool::start(
         devices,
@@ -196,29 +206,63 @@ impl BackendJob for TrainingJob<'_> {
 
 /// How many replicas and machines take part, and which one this process is.
 struct RunShape {
+    /// This process's replicas.
     replicas: usize,
     nodes: usize,
     rank: usize,
+    /// Every process's replicas, by rank (the ranks of a job may have different numbers).
+    counts: Vec<usize>,
 }
 
 impl RunShape {
+    /// The shape of a run with `replicas` here: in a multi-node run every process's count is
+    /// gathered (an exchange, at the same point on every process), and the global batch must
+    /// split evenly over all of them.
     fn of(replicas: usize, nodes: Option<&Nodes>, config: &TrainConfig) -> Result<Self> {
         if replicas == 0 {
             bail!("no device to train on");
         }
-        let (nodes, rank) = nodes.map_or((1, 0), |n| (n.count(), n.rank));
-        let batch_size = config.train.batch_size;
-        if !batch_size.is_multiple_of(replicas * nodes) {
+        let (count, rank) = nodes.map_or((1, 0), |n| (n.count(), n.rank));
+        let counts = match nodes {
+            None => vec![replicas],
+            Some(nodes) => replica_counts(nodes, replicas)?,
+        };
+        let shape = Self {
+            replicas,
+            nodes: count,
+            rank,
+            counts,
+        };
+        let (batch_size, total) = (config.train.batch_size, shape.total_replicas());
+        if !batch_size.is_multiple_of(total) {
             bail!(
-                "`train.batch_size` {batch_size} does not split evenly over {} replicas",
-                replicas * nodes
+                "`train.batch_size` {batch_size} does not split evenly over {total} replicas{}",
+                match count {
+                    1 => String::new(),
+                    _ => format!(" ({})", shape.describe_counts()),
+                }
             );
         }
-        Ok(Self {
-            replicas,
-            nodes,
-            rank,
-        })
+        Ok(shape)
+    }
+
+    /// "process 0: 2, process 1: 1".
+    fn describe_counts(&self) -> String {
+        let each: Vec<String> = self
+            .counts
+            .iter()
+            .enumerate()
+            .map(|(rank, n)| format!("process {rank}: {n}"))
+            .collect();
+        each.join(", ")
+    }
+
+    /// The slots of every global batch this process's replicas take: after those of the
+    /// lower ranks, in proportion to its replicas (`None`: the whole batch).
+    fn batch_share(&self, batch_size: usize) -> Option<std::ops::Range<usize>> {
+        let per_replica = batch_size / self.total_replicas();
+        let first: usize = self.counts[..self.rank].iter().sum();
+        (self.nodes > 1).then(|| first * per_replica..(first + self.replicas) * per_replica)
     }
 
     /// Rank 0 writes checkpoints, metrics and events, and evaluates.
@@ -227,8 +271,19 @@ impl RunShape {
     }
 
     fn total_replicas(&self) -> usize {
-        self.replicas * self.nodes
+        self.counts.iter().sum()
     }
+}
+
+/// Every process's replica count, by rank: each adds its own at its rank's place.
+fn replica_counts(nodes: &Nodes, replicas: usize) -> Result<Vec<usize>> {
+    let mut mine = vec![0f32; nodes.count()];
+    mine[nodes.rank] = replicas as f32;
+    let all = nodes
+        .exchange
+        .sum_over_nodes(mine)
+        .map_err(|why| anyhow::anyhow!("gathering the processes' replica counts: {why}"))?;
+    Ok(all.into_iter().map(|n| n as usize).collect())
 }
 
 /// The training records and, when the config names any, the evaluation records.
@@ -244,11 +299,11 @@ fn record_indexes(config: &TrainConfig) -> Result<(RecordIndex, Option<RecordInd
     Ok((index, eval_index))
 }
 
-/// The gradient exchange: between this process's replicas, and over the processes of a
-/// multi-node run (on the devices where every process can, else through host memory).
+/// The gradient exchange: between this process's replicas (and the mean over all of them,
+/// `total_replicas`), and over the processes of a multi-node run (on the devices where every process can, else through host memory).
 fn connect<B: SsdBackend>(
     nodes: Option<&Nodes>,
-    (replicas, transfer): (usize, Transfer),
+    ((replicas, total_replicas), transfer): ((usize, usize), Transfer),
     first_device: &B::Device,
     log: &RunLog,
 ) -> Arc<dyn GradientSync<B>> {
@@ -266,7 +321,7 @@ fn connect<B: SsdBackend>(
         }
     ));
     Arc::new(InProcessAllReduce::<B>::across_nodes(
-        replicas,
+        (replicas, total_replicas),
         transfer,
         nodes.exchange.clone(),
         on_device.ok(),
@@ -299,7 +354,7 @@ fn loader_config(config: &TrainConfig, shape: &RunShape) -> LoaderConfig {
             n => n,
         },
         prefetch: config.data.prefetch,
-        share: (shape.rank, shape.nodes),
+        share: shape.batch_share(config.train.batch_size),
     }
 }
 
@@ -580,18 +635,37 @@ impl<'a, B: SsdBackend> Run<'a, B> {
         Ok(())
     }
 
+    /// The checkpoint this run resumed at `step`, with the replicas' networks, to evaluate.
+    fn resumed_checkpoint(&self, step: u64) -> Result<Saved<B>> {
+        let dir = checkpoint::latest(&self.options.model_dir)?
+            .context("a resumed run's checkpoint is gone from its model dir")?;
+        let snapshot = self.pool.snapshot(step)?;
+        checkpointing::written(self.config, dir, step, snapshot, &self.devices[0])
+    }
+
     /// The end of the run (or a stop request): a checkpoint and, unless interrupted, a final
-    /// evaluation, each unless this step already has one; the charts; the summary.
+    /// evaluation, each unless this step already has one; the charts; the summary. A run that
+    /// reached `num_steps` without its final evaluation (a stop request came first) ends as
+    /// stopped, and resuming it evaluates the last checkpoint.
     fn finish(mut self) -> Result<RunSummary> {
         let step = self.progress.step;
         let trained = step > self.progress.first_step;
         if trained && self.latest.snapshot_step != Some(step) {
             self.checkpoint()?;
         }
-        let stopped = self.progress.stopping && step < self.config.train.num_steps;
-        if trained && self.latest.evaluated_step != Some(step) && !self.progress.stopping {
+        let evaluated = |l: &Latest<B>| l.evaluated_step == Some(step) && l.metrics.is_some();
+        let final_due = step == self.config.train.num_steps
+            && self.eval_index.is_some()
+            && !evaluated(&self.latest)
+            && (trained || !self.log.evaluated_at(step)?);
+        if final_due && !self.progress.stopping {
+            if !trained {
+                self.latest.saved = Some(self.resumed_checkpoint(step)?);
+            }
             self.evaluate()?;
         }
+        let stopped = self.progress.stopping
+            && (step < self.config.train.num_steps || (final_due && !evaluated(&self.latest)));
         if trained && self.shape.leader() {
             write_charts(&self.log, &self.options.model_dir);
         }
@@ -624,10 +698,12 @@ impl<'a, B: SsdBackend> Run<'a, B> {
 fn write_charts(log: &RunLog, dir: &std::path::Path) {
     match crate::report::charts::write_charts(dir) {
         Ok(charts) => {
-            log.say(format!(
-                "charts: loss.png, learning_rate.png, eval.png in {}",
-                dir.display()
-            ));
+            let names: Vec<String> = charts
+                .files
+                .iter()
+                .filter_map(|f| Some(f.file_name()?.to_string_lossy().into_owned()))
+                .collect();
+            log.say(format!("charts: {} in {}", names.join(", "), dir.display()));
             if let Some(note) = charts.note() {
                 log.say(note);
             }

@@ -374,6 +374,11 @@ impl<B: SsdBackend> Replica<B> {
             .buckets
             .pop()
             .ok_or("the exchange returned nothing")?;
+        // the EMA network takes the BatchNorm statistics as they are (TF averages only the
+        // trainable weights): the averaged ones, as the raw network
+        if let Some(ema) = &self.ema {
+            set_bn_stats_flat(ema.shadow(), mean.clone());
+        }
         set_bn_stats_flat(self.model(), Tensor::from_inner(mean));
         Ok(())
     }

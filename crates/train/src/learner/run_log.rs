@@ -135,6 +135,20 @@ impl RunLog {
         Ok(())
     }
 
+    /// Whether `metrics.jsonl` records an evaluation at `step`; `true` where this process
+    /// keeps no files (the leader evaluates).
+    pub fn evaluated_at(&self, step: u64) -> Result<bool> {
+        let Some((_, path, _)) = &self.files else {
+            return Ok(true);
+        };
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        Ok(text.lines().any(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .is_ok_and(|v| v["step"].as_u64() == Some(step) && v.get("eval").is_some())
+        }))
+    }
+
     fn record(&mut self, value: serde_json::Value) -> Result<()> {
         match &mut self.files {
             Some((file, path, _)) => {

@@ -73,6 +73,11 @@ pub(super) fn starting_point<B: Backend>(
         for line in report.summary(source) {
             log.say(line);
         }
+    } else {
+        log.say(format!(
+            "training from scratch (random weights, seed {}): the config names no `train.fine_tune_checkpoint`; the API's recipes fine-tune from the model zoo's COCO checkpoint (see the guide's Coming from the TF Object Detection API)",
+            config.train.seed
+        ));
     }
     Ok(Start {
         model,

@@ -112,8 +112,12 @@ fn smooth(points: &[(f64, f64)], weight: f64) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// Room above the highest value, as a share of the values' span: the legend in the upper
+/// right corner stays above every line (4 entries take about a quarter of the plot's height).
+const LEGEND_HEADROOM: f64 = 0.5;
+
 /// The plotted ranges: every point inside, with a little room (a lone value gets a range of
-/// its own).
+/// its own) and the legend's room above the highest value.
 fn ranges(series: &[Series]) -> (std::ops::Range<f64>, std::ops::Range<f64>) {
     let points = series.iter().flat_map(|s| &s.points);
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
@@ -123,15 +127,15 @@ fn ranges(series: &[Series]) -> (std::ops::Range<f64>, std::ops::Range<f64>) {
     if x0 > x1 {
         return (0.0..1.0, 0.0..1.0);
     }
-    let pad = |lo: f64, hi: f64| {
-        let room = if hi > lo {
-            (hi - lo) * 0.05
+    let pad = |lo: f64, hi: f64, headroom: f64| {
+        let span = if hi > lo {
+            hi - lo
         } else {
-            lo.abs().max(1.0) * 0.5
+            lo.abs().max(1.0) * 10.0
         };
-        (lo - room)..(hi + room)
+        (lo - span * 0.05)..(hi + span * (0.05 + headroom))
     };
-    (pad(x0, x1), pad(y0.min(0.0), y1))
+    (pad(x0, x1, 0.0), pad(y0.min(0.0), y1, LEGEND_HEADROOM))
 }
 
 /// Makes the bundled font known to `plotters` (once per process).
@@ -224,7 +228,7 @@ fn draw_series(chart: &mut Chart, s: &Series, colour: RGBColor, spec: &ChartSpec
 /// The charts written.
 #[derive(Debug)]
 pub struct Charts {
-    /// `loss.png`, `learning_rate.png` and `eval.png`.
+    /// `loss.png`, `learning_rate.png` and `eval.png`, each where the log has its values.
     pub files: Vec<PathBuf>,
     /// Values of the log left out, being larger than `PLOTTABLE` (a diverging run's).
     pub skipped: usize,
@@ -243,7 +247,8 @@ impl Charts {
 }
 
 /// Writes `loss.png`, `learning_rate.png` and `eval.png` into `model_dir` from its
-/// `metrics.jsonl`.
+/// `metrics.jsonl`, each chart where the log has its values (no `eval.png` for a run
+/// without evaluations).
 pub fn write_charts(model_dir: &Path) -> Result<Charts> {
     let ([loss, lr, eval], skipped) = read_series(&model_dir.join("metrics.jsonl"))?;
     let specs = [
@@ -279,7 +284,11 @@ pub fn write_charts(model_dir: &Path) -> Result<Charts> {
         ),
     ];
     let mut written = Vec::new();
-    for (file, spec) in specs {
+    // a run without evaluations (`--no-eval`) gets no empty evaluation chart
+    let drawn = specs
+        .into_iter()
+        .filter(|(_, spec)| spec.series.iter().any(|s| !s.points.is_empty()));
+    for (file, spec) in drawn {
         let path = model_dir.join(file);
         let image = image::RgbImage::from_raw(WIDTH, HEIGHT, draw(&spec)?)
             .context("a chart's pixel buffer")?;
@@ -316,6 +325,47 @@ mod tests {
 
     fn has_colour(image: &image::RgbImage, c: RGBColor) -> bool {
         image.pixels().any(|p| *p == Rgb([c.0, c.1, c.2]))
+    }
+
+    /// The longest run of the solid colour `c` along one row of `image`.
+    fn longest_row_run(image: &image::RgbImage, c: RGBColor) -> u32 {
+        let mut best = 0;
+        for y in 0..image.height() {
+            let mut run = 0;
+            for x in 0..image.width() {
+                run = if *image.get_pixel(x, y) == Rgb([c.0, c.1, c.2]) {
+                    run + 1
+                } else {
+                    0
+                };
+                best = best.max(run);
+            }
+        }
+        best
+    }
+
+    #[test]
+    fn the_legend_covers_no_line() {
+        // a loss that stays at its highest value: the line runs along the top of the values,
+        // across the whole plot, where an upper-right legend would lie over it
+        let dir = tempfile::tempdir().unwrap();
+        let lines: Vec<String> = (1..=50)
+            .map(|i| {
+                format!(
+                    r#"{{"step":{i},"loss":{{"total":4.0,"classification":3.0,"localization":0.9,"regularization":0.1}},"learning_rate":0.004}}"#
+                )
+            })
+            .collect();
+        std::fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let files = write_charts(dir.path()).unwrap().files;
+        let loss = image::open(&files[0]).unwrap().to_rgb8();
+        // the plot spans the width less the y labels and margins (632 pixels), the line
+        // 1 / 1.1 of it (5% of room on either side): 574 pixels; a legend over it takes 100+
+        let run = longest_row_run(&loss, COLOURS[0]);
+        assert!(
+            run > 540,
+            "the total loss line is unbroken for {run} pixels only"
+        );
     }
 
     #[test]
@@ -365,6 +415,12 @@ mod tests {
                 .unwrap()
                 .starts_with("5 values of metrics.jsonl are beyond 1e15")
         );
+        // a log without evaluations draws no evaluation chart
+        let other = tempfile::tempdir().unwrap();
+        std::fs::write(other.path().join("metrics.jsonl"), lines[..3].join("\n")).unwrap();
+        let files = write_charts(other.path()).unwrap().files;
+        assert_eq!(files.len(), 2, "{files:?}");
+        assert!(!other.path().join("eval.png").exists());
         // a malformed line is an error naming the file and line
         std::fs::write(dir.path().join("metrics.jsonl"), "{\"step\": 1}\nnot json").unwrap();
         let err = write_charts(dir.path()).unwrap_err();

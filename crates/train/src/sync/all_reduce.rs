@@ -109,9 +109,9 @@ pub fn pairwise_sum_on_first<T>(
 
 /// All-reduce between threads of one process: the sum is formed on the first replica's
 /// device in replica order (so it is deterministic), divided by the replica count, and copied
-/// to every replica's device by the run's [`Transfer`] path. In a multi-node run that local
-/// mean is then averaged over the machines (every machine has the same number of replicas)
-/// before the replicas get it.
+/// to every replica's device by the run's [`Transfer`] path. In a multi-node run the local
+/// sum is summed over the machines and divided by the replica count of the whole run (the
+/// machines may have different numbers of replicas) before the replicas get it.
 ///
 /// The thread that forms the mean also copies it to every replica's device before any
 /// replica returns: a replica that went on to queue its update while another still read the
@@ -121,6 +121,8 @@ pub fn pairwise_sum_on_first<T>(
 /// bits of one replica's update.
 pub struct InProcessAllReduce<B: Backend> {
     replicas: usize,
+    /// The replicas of the whole run: the divisor of the mean.
+    total_replicas: usize,
     copy_to: CopyTo<B>,
     nodes: Option<Arc<dyn NodeExchange>>,
     /// Where set, the sum over the machines is formed on the device instead of by `nodes`.
@@ -141,6 +143,7 @@ impl<B: Backend> InProcessAllReduce<B> {
     fn with_copy(replicas: usize, copy_to: CopyTo<B>) -> Self {
         Self {
             replicas,
+            total_replicas: replicas,
             copy_to,
             nodes: None,
             on_device: None,
@@ -154,10 +157,11 @@ impl<B: Backend> InProcessAllReduce<B> {
         }
     }
 
-    /// A reducer for `replicas` local participants whose mean is averaged over machines by
-    /// `on_device` where given, else by `nodes` through host memory.
+    /// A reducer for `replicas` local participants of `total_replicas` over all machines,
+    /// whose sum is summed over the machines by `on_device` where given, else by `nodes`
+    /// through host memory.
     pub fn across_nodes(
-        replicas: usize,
+        (replicas, total_replicas): (usize, usize),
         transfer: Transfer,
         nodes: Arc<dyn NodeExchange>,
         on_device: Option<Arc<dyn DeviceExchange<B>>>,
@@ -165,6 +169,7 @@ impl<B: Backend> InProcessAllReduce<B> {
         Self {
             nodes: Some(nodes),
             on_device,
+            total_replicas,
             ..Self::new(replicas, transfer)
         }
     }
@@ -200,7 +205,7 @@ impl<B: Backend> InProcessAllReduce<B> {
             Some(exchange) => exchange.sum_over_nodes(flat)?,
             None => sum_through_host(nodes.as_ref(), flat)?,
         };
-        let n = (self.replicas * nodes.nodes()) as f64;
+        let n = self.total_replicas as f64;
         let mut offset = 0;
         Ok(sizes
             .into_iter()
@@ -523,7 +528,7 @@ mod tests {
             let device_exchange =
                 on_device.then(|| device.clone() as Arc<dyn DeviceExchange<Flex>>);
             let sync = Arc::new(InProcessAllReduce::<Flex>::across_nodes(
-                2,
+                (2, 4),
                 Transfer::SameDevice,
                 host.clone(),
                 device_exchange,
@@ -560,6 +565,46 @@ mod tests {
                 "one call with both buckets (on_device {on_device})"
             );
             assert!(calls(unused).is_empty(), "on_device {on_device}");
+        }
+    }
+
+    /// A second machine with one replica, which deposited `peer`.
+    struct OneReplicaPeer(f32);
+
+    impl NodeExchange for OneReplicaPeer {
+        fn nodes(&self) -> usize {
+            2
+        }
+
+        fn sum_over_nodes(&self, values: Vec<f32>) -> Result<Vec<f32>, String> {
+            Ok(values.iter().map(|v| v + self.0).collect())
+        }
+    }
+
+    /// Machines with different numbers of replicas (`mpirun -H a:2,b:1`): the mean is over
+    /// every replica of the run, the same on every machine, not over this machine's count
+    /// times the machines.
+    #[test]
+    fn the_mean_is_over_the_replicas_of_every_machine() {
+        let sync = Arc::new(InProcessAllReduce::<Flex>::across_nodes(
+            (2, 3),
+            Transfer::SameDevice,
+            Arc::new(OneReplicaPeer(5.0)),
+            None,
+        ));
+        let handles: Vec<_> = [1.0f32, 3.0]
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let sync = sync.clone();
+                std::thread::spawn(move || {
+                    let mean = sync.all_reduce_mean(i, vec![t(&[v])], None).unwrap();
+                    mean.buckets[0].clone().into_scalar()
+                })
+            })
+            .collect();
+        for handle in handles {
+            assert_eq!(handle.join().unwrap(), 3.0, "(1 + 3 + 5) / 3");
         }
     }
 

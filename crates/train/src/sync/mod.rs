@@ -7,6 +7,7 @@
 
 pub mod all_reduce;
 pub mod buckets;
+pub mod deadline;
 pub mod launcher;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -38,6 +39,8 @@ pub struct Nodes {
     pub rank: usize,
     /// Sums over the processes.
     pub exchange: Arc<dyn NodeExchange>,
+    /// The longest wait for the other processes in an exchange (`--node-timeout`).
+    pub timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for Nodes {

@@ -3,12 +3,14 @@
 //! replicas' gradients and MPI all-reduces that sum over the processes.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use mpi::Threading;
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
 use mpi::environment::Universe;
 use mpi::topology::{Communicator, SimpleCommunicator};
 
+use super::deadline::Deadline;
 use super::{NodeExchange, Nodes};
 
 /// MPI for the lifetime of a run. Dropping it finalises MPI, which every process of the job
@@ -20,8 +22,10 @@ pub struct MpiSession {
 impl MpiSession {
     /// Initialises MPI and returns this process's place in the job. The exchange runs on
     /// whichever replica thread completes the local sum, one at a time, so the library must
-    /// allow calls from any thread (`MPI_THREAD_SERIALIZED` or more).
-    pub fn start() -> Result<(Self, Nodes), String> {
+    /// allow calls from any thread (`MPI_THREAD_SERIALIZED` or more). A wait for the other
+    /// processes longer than `timeout` ends the job (`MPI_Abort`, from the deadline's thread:
+    /// the library must allow `MPI_THREAD_MULTIPLE` for that call to be safe).
+    pub fn start(timeout: Duration) -> Result<(Self, Nodes), String> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or("MPI was initialised twice")?;
         if matches!(threading, Threading::Single | Threading::Funneled) {
@@ -30,11 +34,21 @@ impl MpiSession {
             ));
         }
         let world = universe.world();
+        let rank = world.rank() as usize;
+        let deadline = Deadline::new(
+            timeout,
+            Box::new(move |why| {
+                eprintln!("Error: process {rank}: {why}; ending the job");
+                SimpleCommunicator::world().abort(1)
+            }),
+        );
         let nodes = Nodes {
-            rank: world.rank() as usize,
+            rank,
             exchange: Arc::new(MpiExchange {
                 processes: world.size() as usize,
+                deadline,
             }),
+            timeout,
         };
         Ok((
             Self {
@@ -59,6 +73,9 @@ impl MpiSession {
 /// otherwise stops the run at the first checkpoint rather than training replicas apart.
 struct MpiExchange {
     processes: usize,
+    /// Bounds each all-reduce: a peer that died without the launcher ending the job (srun
+    /// without `--kill-on-bad-exit`) would leave it waiting for ever.
+    deadline: Deadline,
 }
 
 impl NodeExchange for MpiExchange {
@@ -74,7 +91,9 @@ impl NodeExchange for MpiExchange {
             ));
         }
         let mut total = vec![0.0f32; values.len()];
-        // errors are fatal to the job (MPI's default handler): no process waits on a dead one
+        // errors are fatal to the job (MPI's default handler), and a wait longer than the
+        // deadline ends it: no process waits on a dead one
+        let _waiting = self.deadline.arm("the all-reduce through MPI");
         SimpleCommunicator::world().all_reduce_into(
             &values[..],
             &mut total[..],

@@ -18,7 +18,9 @@
 use std::any::Any;
 use std::ffi::{CStr, c_char, c_void};
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
@@ -27,7 +29,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_cubecl::CubeBackend;
 use cubecl_cuda::CudaRuntime;
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream, sys as driver};
 use cudarc::nccl::{result as nccl, sys};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::topology::{Communicator, SimpleCommunicator};
@@ -67,11 +69,17 @@ pub fn connect<B: Backend>(
     agreed(ordinal.as_ref().map(drop).map_err(Clone::clone))?;
     let ordinal = ordinal?;
     let id = unique_id(&world, nodes.rank)?;
-    let (rank, ranks) = (nodes.rank, nodes.count());
+    let (rank, ranks, limit) = (nodes.rank, nodes.count(), nodes.timeout);
+    // a check that outlasts its limit is abandoned: told so, its thread launches nothing
+    // more, and its communicator is aborted when it ends
+    let abandoned = Arc::new(AtomicBool::new(false));
+    let told = Arc::clone(&abandoned);
     let checked = bounded("the NCCL check", CHECK_LIMIT, move || {
-        check(ordinal, rank, ranks, id)
+        check(ordinal, (rank, ranks), id, &told)
     })
-    .and_then(|checked| checked);
+    .and_then(|checked| checked)
+    .map(|exchange| exchange.waiting_at_most(limit));
+    abandoned.store(true, Ordering::Relaxed);
     let checked = tell(rank, checked);
     agreed(checked.as_ref().map(drop).map_err(Clone::clone))?;
     let exchange: Arc<dyn DeviceExchange<Cuda>> = Arc::new(checked?);
@@ -148,16 +156,22 @@ fn id_from_message(message: &[u8; 1 + ID_BYTES]) -> Option<sys::ncclUniqueId> {
 }
 
 /// Joins the communicator and all-reduces a small known vector from device `ordinal` through
-/// the same path as the gradients: `Err` unless the expected sum comes back.
+/// the same path as the gradients, waiting for it no longer than the check's own limit:
+/// `Err` unless the expected sum comes back. Once `abandoned` (the caller stopped waiting),
+/// it launches nothing: no peer would match it.
 fn check(
     ordinal: usize,
-    rank: usize,
-    ranks: usize,
+    (rank, ranks): (usize, usize),
     id: sys::ncclUniqueId,
+    abandoned: &AtomicBool,
 ) -> Result<NcclExchange, String> {
     let exchange = NcclExchange {
-        comm: Mutex::new(NcclComm::join(ordinal, rank, ranks, id)?),
+        comm: Mutex::new(NcclComm::join(ordinal, rank, ranks, id, CHECK_LIMIT)?),
     };
+    if abandoned.load(Ordering::Relaxed) {
+        // dropping the exchange aborts its communicator
+        return Err("the check was abandoned while it joined".into());
+    }
     // small multiples of powers of two: every sum is exact, whatever NCCL's order
     let values = |r: usize| [1.5, -2.0, 0.25 * (r + 1) as f32, r as f32];
     let expected = (0..ranks).map(values).fold([0.0f32; 4], |mut sum, v| {
@@ -184,6 +198,14 @@ fn check(
 struct NcclExchange {
     /// One call at a time (NCCL calls on one communicator must not overlap).
     comm: Mutex<NcclComm>,
+}
+
+impl NcclExchange {
+    /// The exchange with `limit` as its longest wait for the peers.
+    fn waiting_at_most(self, limit: Duration) -> Self {
+        self.comm.lock().unwrap_or_else(|e| e.into_inner()).limit = limit;
+        self
+    }
 }
 
 impl DeviceExchange<Cuda> for NcclExchange {
@@ -241,10 +263,14 @@ fn ready_buffer(
     Ok((pointer, count, (resource, buffer)))
 }
 
-/// An NCCL communicator of this process's GPU, and the stream its operations run on.
+/// An NCCL communicator of this process's GPU, the stream its operations run on, and the
+/// longest wait for the peers (`--node-timeout`).
 struct NcclComm {
     comm: sys::ncclComm_t,
     stream: Arc<CudaStream>,
+    limit: Duration,
+    /// Aborted after a failure: nothing more may be called on it.
+    aborted: AtomicBool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time, which the
@@ -260,6 +286,7 @@ impl NcclComm {
         rank: usize,
         ranks: usize,
         id: sys::ncclUniqueId,
+        limit: Duration,
     ) -> Result<Self, String> {
         let cuda = |e: cudarc::driver::DriverError| format!("CUDA device {ordinal}: {e:?}");
         let context = CudaContext::new(ordinal).map_err(cuda)?;
@@ -276,12 +303,17 @@ impl NcclComm {
             // SAFETY: `comm_init_rank` succeeded, so it wrote the communicator.
             comm: unsafe { comm.assume_init() },
             stream,
+            limit,
+            aborted: AtomicBool::new(false),
         })
     }
 
     /// Sums `count` f32 at device address `pointer` over the ranks, in place, and waits until
-    /// NCCL is done.
+    /// NCCL is done ([`Self::wait`]).
     fn sum_in_place(&self, pointer: u64, count: usize) -> Result<(), String> {
+        if self.aborted.load(Ordering::Relaxed) {
+            return Err("NCCL's communicator was aborted after a failure".into());
+        }
         let cuda = |e: cudarc::driver::DriverError| format!("NCCL's stream: {e:?}");
         self.stream.context().bind_to_thread().map_err(cuda)?;
         // SAFETY: `pointer` addresses `count` f32 on this communicator's device, kept
@@ -299,12 +331,62 @@ impl NcclComm {
             )
         }
         .map_err(|e| format!("ncclAllReduce failed: {}", describe(&e, Some(self.comm))))?;
-        self.stream.synchronize().map_err(cuda)
+        self.wait()
+    }
+
+    /// Waits for the stream, polling it and the communicator's asynchronous error instead
+    /// of blocking in a synchronize that never returns when a peer died or lost its link:
+    /// an error, or no end within the limit, aborts the communicator (which ends NCCL's
+    /// kernels on this GPU) and is returned.
+    fn wait(&self) -> Result<(), String> {
+        let started = Instant::now();
+        loop {
+            // SAFETY: the stream is alive as long as `self`.
+            match unsafe { driver::cuStreamQuery(self.stream.cu_stream()) } {
+                driver::CUresult::CUDA_SUCCESS => return Ok(()),
+                driver::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => return Err(self.abort(format!("NCCL's stream failed: {other:?}"))),
+            }
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: `comm` is a live communicator; NCCL writes `state`.
+            let asked = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            let failed = [asked, state].into_iter().find(|r| {
+                !matches!(
+                    r,
+                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+                )
+            });
+            if let Some(error) = failed {
+                let why = describe(&nccl::NcclError(error), Some(self.comm));
+                return Err(self.abort(format!("NCCL's all-reduce failed: {why}")));
+            }
+            if started.elapsed() > self.limit {
+                return Err(self.abort(format!(
+                    "NCCL's all-reduce: no answer from the other processes within {} s (--node-timeout): a process died or lost its link",
+                    self.limit.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// Aborts the communicator after `why` (its kernels end, it takes no more calls: the
+    /// run ends with `why`).
+    fn abort(&self, why: String) -> String {
+        // SAFETY: `comm` is a live communicator; after an abort NCCL frees it, and the run
+        // ends with the error returned (Drop's second abort of a freed communicator is
+        // avoided by `aborted`).
+        let _ = unsafe { nccl::comm_abort(self.comm) };
+        self.aborted.store(true, Ordering::Relaxed);
+        why
     }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        if self.aborted.load(Ordering::Relaxed) {
+            return;
+        }
         // abort, not destroy: destroy waits for the peers' pending operations, which a peer
         // that failed never completes; at the end of a run there is nothing left to report
         // SAFETY: `comm` is a communicator from `comm_init_rank`, used no more after this.

@@ -123,6 +123,7 @@ pub fn run_on<B: SsdBackend>(
         verbose: false,
         nodes: None,
         repeat_first_batch: false,
+        without_lock: false,
     };
     train::<B>(config, devices, &options)
 }

@@ -16,6 +16,8 @@ pub(super) struct Section<'a> {
     pub message: &'a Message,
     pub path: String,
     used: Vec<bool>,
+    /// The names this reader asked for, present or not: what a misspelt field was meant to be.
+    asked: Vec<String>,
 }
 
 impl<'a> Section<'a> {
@@ -24,6 +26,7 @@ impl<'a> Section<'a> {
             message,
             path: path.into(),
             used: vec![false; message.fields.len()],
+            asked: Vec::new(),
         }
     }
 
@@ -42,6 +45,7 @@ impl<'a> Section<'a> {
 
     /// Every field called `name`, marked as read.
     pub fn take(&mut self, name: &str) -> Vec<&'a Field> {
+        self.asked.push(name.to_string());
         let mut out = Vec::new();
         for (i, f) in self.message.fields.iter().enumerate() {
             if f.name == name {
@@ -256,12 +260,27 @@ impl<'a> Section<'a> {
         }
     }
 
-    /// Reports every field not read as unsupported.
+    /// Reports every field not read: as a misspelling where its name is one or two edits
+    /// from a field this message is read for (`num_clases`), else as unsupported.
     pub fn finish(self, report: &mut Report) {
         for (f, used) in self.message.fields.iter().zip(&self.used) {
-            if !used {
-                report.errors.push(format!("{}: not supported", self.at(f)));
+            if *used {
+                continue;
             }
+            let meant = self
+                .asked
+                .iter()
+                .map(|a| (strsim::levenshtein(a, &f.name), a))
+                .filter(|(d, _)| *d <= 2)
+                .min();
+            report.errors.push(match meant {
+                Some((_, name)) => format!(
+                    "{}: unknown field `{}`, did you mean `{name}`?",
+                    self.at(f),
+                    f.name
+                ),
+                None => format!("{}: not supported", self.at(f)),
+            });
         }
     }
 }

@@ -91,7 +91,14 @@ fn read_feature_extractor(
         return ConvHyperparams::default();
     };
     let kind = fe.word("type", "", report);
-    require(&fe.path, "type", kind.as_str(), "ssd_mobilenet_v1", report);
+    if kind.ends_with("_keras") {
+        report.errors.push(format!(
+            "{}.type: {kind:?} is a TF2 (Keras) feature extractor, which is not supported: only the TF1 `ssd_mobilenet_v1` of model_main.py (TF1 checkpoints, tf.slim names)",
+            fe.path
+        ));
+    } else {
+        require(&fe.path, "type", kind.as_str(), "ssd_mobilenet_v1", report);
+    }
     model.depth_multiplier = fe.number("depth_multiplier", 1.0f32, report);
     model.min_depth = fe.number("min_depth", 16usize, report);
     fe.only_number("pad_to_multiple", 1usize, report);
