@@ -164,7 +164,8 @@ struct PrepareArgs {
     /// at 0 always are; otherwise COCO's ids are kept as label-map ids).
     #[arg(long, requires = "from_coco")]
     contiguous_ids: bool,
-    /// --from-coco: leave out images without annotations (written as negatives otherwise).
+    /// --from-coco: leave out images without any object to train on: no annotation, or only
+    /// crowd regions and boxes without area (written as negatives otherwise).
     #[arg(long, requires = "from_coco")]
     skip_empty: bool,
     /// Class names for --from-voc.
@@ -444,7 +445,8 @@ fn print_coco(p: &CocoPrepared) {
         );
     }
     println!(
-        "cleanup: {} re-encoded, {} boxes clipped, {} boxes dropped, {} crowd regions left out",
+        "cleanup: {} re-encoded, {} boxes clipped, {} boxes dropped, {} crowd regions (kept \
+         for evaluation, never trained on)",
         s.cleanup.reencoded, s.cleanup.boxes_clipped, s.cleanup.boxes_dropped, s.crowd_regions
     );
     let empty = if s.empty_skipped > 0 {
@@ -452,7 +454,10 @@ fn print_coco(p: &CocoPrepared) {
     } else {
         "written as negatives"
     };
-    println!("{} images without annotations, {empty}", s.empty_images);
+    println!(
+        "{} images without any object to train on, {empty}",
+        s.empty_images
+    );
     for (what, why) in &s.skipped {
         println!("skipped {what}: {why}");
     }

@@ -92,6 +92,22 @@ pub struct Object {
     pub view: String,
 }
 
+/// An object as evaluation reads it: crowd regions included, with its area where the record
+/// has one. The API's `create_coco_tf_record.py` writes both (`image/object/is_crowd`,
+/// `image/object/area`), and so does the preparation of COCO files here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalObject {
+    /// The object.
+    pub object: Object,
+    /// `image/object/is_crowd`: a region of many objects (COCO's `iscrowd`), which the COCO
+    /// metric ignores the detections on and training never sees: [`DetectionExample::decode`]
+    /// leaves it out of the objects.
+    pub crowd: bool,
+    /// `image/object/area`: the area in pixels the COCO metric's size ranges read (COCO's
+    /// `area`, its mask's), where the record has one.
+    pub area: Option<f32>,
+}
+
 /// A detection training example with the API's keys.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DetectionExample {
@@ -109,7 +125,7 @@ pub struct DetectionExample {
     pub source_id: String,
     /// `image/key/sha256`: hex SHA-256 of the encoded image.
     pub sha256: String,
-    /// The objects.
+    /// The objects to train on: crowd regions (`image/object/is_crowd`) are not among them.
     pub objects: Vec<Object>,
 }
 
@@ -173,7 +189,37 @@ pub fn sha256_hex(data: &[u8]) -> String {
 impl DetectionExample {
     /// Encodes as a serialised `tf.train.Example`.
     pub fn encode(&self) -> Vec<u8> {
-        let o = &self.objects;
+        let objects: Vec<&Object> = self.objects.iter().collect();
+        Self::message(self.features(&objects))
+    }
+
+    /// Encodes with `objects` as the object lists in place of [`objects`](Self::objects)
+    /// (which should be those of them that are not crowds), in their order, with
+    /// `image/object/is_crowd` and, where every object has an area, `image/object/area`: as
+    /// the API's `create_coco_tf_record.py` writes COCO's annotations.
+    pub fn encode_with(&self, objects: &[EvalObject]) -> Vec<u8> {
+        let list: Vec<&Object> = objects.iter().map(|o| &o.object).collect();
+        let mut f = self.features(&list);
+        f.insert(
+            "image/object/is_crowd".into(),
+            ints(objects.iter().map(|o| i64::from(o.crowd)).collect()),
+        );
+        let areas: Option<Vec<f32>> = objects.iter().map(|o| o.area).collect();
+        if let Some(areas) = areas {
+            f.insert("image/object/area".into(), floats(areas));
+        }
+        Self::message(f)
+    }
+
+    fn message(feature: BTreeMap<String, Feature>) -> Vec<u8> {
+        proto::Example {
+            features: Some(proto::Features { feature }),
+        }
+        .encode_to_vec()
+    }
+
+    /// The features of the example with `o` as its objects.
+    fn features(&self, o: &[&Object]) -> BTreeMap<String, Feature> {
         let text = |s: &str| s.as_bytes().to_vec();
         let mut f = BTreeMap::new();
         f.insert("image/encoded".into(), bytes(vec![self.encoded.clone()]));
@@ -219,15 +265,21 @@ impl DetectionExample {
             "image/object/view".into(),
             bytes(o.iter().map(|x| text(&x.view)).collect()),
         );
-        proto::Example {
-            features: Some(proto::Features { feature: f }),
-        }
-        .encode_to_vec()
+        f
     }
 
     /// Decodes a serialised `tf.train.Example`. Missing optional keys get defaults; boxes need
-    /// labels; other per-object keys must be absent or have one value per box.
+    /// labels; other per-object keys must be absent or have one value per box. Crowd regions
+    /// (`image/object/is_crowd` not 0) are left out of the objects: they are never trained
+    /// on ([`decode_with`](Self::decode_with) reads them for evaluation).
     pub fn decode(data: &[u8]) -> Result<Self, ExampleError> {
+        Self::decode_with(data).map(|(example, _)| example)
+    }
+
+    /// Decodes as [`decode`](Self::decode) does, and returns beside the example every object
+    /// in the record's order as evaluation reads it: crowd regions included, with
+    /// `image/object/area` where the record has it.
+    pub fn decode_with(data: &[u8]) -> Result<(Self, Vec<EvalObject>), ExampleError> {
         let example =
             proto::Example::decode(data).map_err(|e| ExampleError::Decode(e.to_string()))?;
         let f = example.features.map(|f| f.feature).unwrap_or_default();
@@ -293,6 +345,8 @@ impl DetectionExample {
         let difficult = get_ints("image/object/difficult")?;
         let truncated = get_ints("image/object/truncated")?;
         let views = get_bytes("image/object/view")?;
+        let crowds = get_ints("image/object/is_crowd")?;
+        let areas = get_floats("image/object/area")?;
         per_object("image/object/class/text", texts.len())?;
         if n > 0 && labels.is_empty() {
             return Err(ExampleError::MissingLabels { boxes: n });
@@ -301,23 +355,34 @@ impl DetectionExample {
         per_object("image/object/difficult", difficult.len())?;
         per_object("image/object/truncated", truncated.len())?;
         per_object("image/object/view", views.len())?;
-        let objects = (0..n)
-            .map(|i| Object {
-                bbox: BBox::new(ymin[i], xmin[i], ymax[i], xmax[i]),
-                class_text: texts
-                    .get(i)
-                    .map(|t| String::from_utf8_lossy(t).into_owned())
-                    .unwrap_or_default(),
-                label: labels[i],
-                difficult: difficult.get(i).is_some_and(|&d| d != 0),
-                truncated: truncated.get(i).is_some_and(|&d| d != 0),
-                view: views
-                    .get(i)
-                    .map(|t| String::from_utf8_lossy(t).into_owned())
-                    .unwrap_or_default(),
+        per_object("image/object/is_crowd", crowds.len())?;
+        per_object("image/object/area", areas.len())?;
+        let all: Vec<EvalObject> = (0..n)
+            .map(|i| EvalObject {
+                object: Object {
+                    bbox: BBox::new(ymin[i], xmin[i], ymax[i], xmax[i]),
+                    class_text: texts
+                        .get(i)
+                        .map(|t| String::from_utf8_lossy(t).into_owned())
+                        .unwrap_or_default(),
+                    label: labels[i],
+                    difficult: difficult.get(i).is_some_and(|&d| d != 0),
+                    truncated: truncated.get(i).is_some_and(|&d| d != 0),
+                    view: views
+                        .get(i)
+                        .map(|t| String::from_utf8_lossy(t).into_owned())
+                        .unwrap_or_default(),
+                },
+                crowd: crowds.get(i).is_some_and(|&c| c != 0),
+                area: areas.get(i).copied(),
             })
             .collect();
-        Ok(Self {
+        let objects = all
+            .iter()
+            .filter(|o| !o.crowd)
+            .map(|o| o.object.clone())
+            .collect();
+        let example = Self {
             encoded,
             format: string("image/format")?,
             height: get_ints("image/height")?.first().copied().unwrap_or(0),
@@ -326,7 +391,8 @@ impl DetectionExample {
             source_id: string("image/source_id")?,
             sha256: string("image/key/sha256")?,
             objects,
-        })
+        };
+        Ok((example, all))
     }
 }
 
@@ -374,6 +440,64 @@ mod tests {
             ..sample()
         };
         assert_eq!(DetectionExample::decode(&empty.encode()).unwrap(), empty);
+    }
+
+    /// Crowd regions and areas under the API's names; decoding leaves the crowds out of the
+    /// objects (training never sees them) and gives them, in the record's order, to
+    /// evaluation.
+    #[test]
+    fn crowd_regions_and_areas_round_trip_outside_the_objects() {
+        let e = sample();
+        let crowd = Object {
+            label: 2,
+            class_text: "dog".into(),
+            ..e.objects[0].clone()
+        };
+        let all = vec![
+            EvalObject {
+                object: e.objects[0].clone(),
+                crowd: false,
+                area: Some(1234.5),
+            },
+            EvalObject {
+                object: crowd,
+                crowd: true,
+                area: Some(900.0),
+            },
+            EvalObject {
+                object: e.objects[1].clone(),
+                crowd: false,
+                area: Some(20.25),
+            },
+        ];
+        let bytes = e.encode_with(&all);
+        let message = proto::Example::decode(bytes.as_slice()).unwrap();
+        let f = message.features.unwrap().feature;
+        assert_eq!(
+            f["image/object/is_crowd"].kind,
+            Some(Kind::Int64List(Int64List {
+                value: vec![0, 1, 0]
+            }))
+        );
+        assert_eq!(
+            f["image/object/area"].kind,
+            Some(Kind::FloatList(FloatList {
+                value: vec![1234.5, 900.0, 20.25]
+            }))
+        );
+        assert_eq!(DetectionExample::decode(&bytes).unwrap(), e);
+        let (example, back) = DetectionExample::decode_with(&bytes).unwrap();
+        assert_eq!((example, back), (e.clone(), all.clone()));
+        // without areas: no `image/object/area`
+        let no_area: Vec<EvalObject> = all
+            .into_iter()
+            .map(|o| EvalObject { area: None, ..o })
+            .collect();
+        let (_, back) = DetectionExample::decode_with(&e.encode_with(&no_area)).unwrap();
+        assert_eq!(back, no_area);
+        // records without either: nothing is a crowd
+        let (_, back) = DetectionExample::decode_with(&e.encode()).unwrap();
+        assert!(back.iter().all(|o| !o.crowd && o.area.is_none()));
     }
 
     #[test]

@@ -166,6 +166,18 @@ impl RecordIndex {
         i - self.records.partition_point(|r| r.file < file)
     }
 
+    /// An error about record `i` that names its file, its number in the file and its byte
+    /// offset.
+    pub fn record_error(&self, i: usize, problem: String) -> DataError {
+        let loc = self.location(i);
+        DataError::Record {
+            path: self.files[loc.file].clone(),
+            record: self.number_in_file(i),
+            offset: loc.offset,
+            problem,
+        }
+    }
+
     /// Reads record `i` (checksums verified again).
     pub fn read(&self, i: usize) -> Result<Vec<u8>> {
         let loc = self.records.get(i).copied().ok_or_else(|| {

@@ -9,7 +9,7 @@
 
 use image::DynamicImage;
 
-use crate::error::{DataError, Result};
+use crate::error::Result;
 use crate::example::DetectionExample;
 use crate::images::decode_image;
 use crate::tfrecord::RecordIndex;
@@ -89,15 +89,7 @@ pub fn read_checked(
     i: usize,
     num_classes: Option<usize>,
 ) -> Result<(DetectionExample, DynamicImage)> {
-    let at_record = |problem: String| {
-        let loc = index.location(i);
-        DataError::Record {
-            path: index.files()[loc.file].clone(),
-            record: index.number_in_file(i),
-            offset: loc.offset,
-            problem,
-        }
-    };
+    let at_record = |problem: String| index.record_error(i, problem);
     let example =
         DetectionExample::decode(&index.read(i)?).map_err(|e| at_record(e.to_string()))?;
     check_objects(&example, num_classes).map_err(at_record)?;

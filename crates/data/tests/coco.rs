@@ -2,7 +2,7 @@
 //! degenerate boxes and invalid entries, each with its exact outcome; a second split joining
 //! the folder; the loader reading the labels back.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -579,4 +579,91 @@ fn the_loader_reads_the_coco_labels_back() {
         }
     }
     assert_eq!(batch.records.len(), 4);
+}
+
+/// Crowd regions and areas are written under the API's names (`image/object/is_crowd`,
+/// `image/object/area`), in the file's order, for evaluation; the objects to train on leave
+/// the crowds out.
+#[test]
+fn crowd_regions_and_areas_are_kept_for_evaluation_only() {
+    use data::example::proto;
+    use prost::Message;
+
+    let dir = tempfile::tempdir().unwrap();
+    let images = image_folder(dir.path());
+    let out = dir.path().join("coco");
+    prepare(&annotations(), &out, &options(&images)).unwrap();
+    let files = expand_patterns(&[format!("{}/train.record-*", out.display())]).unwrap();
+    let records: Vec<Vec<u8>> = files.iter().flat_map(|f| read_all(f).unwrap()).collect();
+    let record = records
+        .iter()
+        .find(|r| DetectionExample::decode(r).unwrap().source_id == "100")
+        .unwrap();
+    // image 100: the car (area 1500), the clipped dog (no `area`: its box's, 80 x 80) and the
+    // crowd region (10 x 10); the boxes without area are dropped
+    let (example, all) = DetectionExample::decode_with(record).unwrap();
+    let got: Vec<(i64, bool, Option<f32>)> = all
+        .iter()
+        .map(|o| (o.object.label, o.crowd, o.area))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (3, false, Some(1500.0)),
+            (18, false, Some(6400.0)),
+            (90, true, Some(100.0))
+        ]
+    );
+    let labels: Vec<i64> = example.objects.iter().map(|o| o.label).collect();
+    assert_eq!(labels, [3, 18]);
+    let message = proto::Example::decode(record.as_slice()).unwrap();
+    let features = message.features.unwrap().feature;
+    for key in ["image/object/is_crowd", "image/object/area"] {
+        assert!(features.contains_key(key), "{key}");
+    }
+}
+
+/// `--skip-empty` leaves out the images with nothing to train on: no annotation, or only
+/// crowd regions and boxes without area.
+#[test]
+fn skip_empty_leaves_out_images_with_nothing_to_train_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let images = image_folder(dir.path());
+    let mut json = annotations();
+    push(
+        &mut json,
+        "images",
+        json!({"id": 50, "file_name": "c.jpg", "width": 160, "height": 120}),
+    );
+    push(
+        &mut json,
+        "annotations",
+        json!({"id": 40, "image_id": 50, "category_id": 3, "bbox": [5, 5, 40, 40], "iscrowd": 1}),
+    );
+    push(
+        &mut json,
+        "annotations",
+        json!({"id": 41, "image_id": 50, "category_id": 3, "bbox": [200, 5, 10, 10]}),
+    );
+    let skip_empty = CocoOptions {
+        skip_empty: true,
+        ..options(&images)
+    };
+    let out = dir.path().join("no_empty");
+    let s = prepare(&json, &out, &skip_empty).unwrap().summary;
+    // images 8 (no annotation) and 50 (a crowd region and a box outside the image)
+    assert_eq!(
+        (s.written.images, s.empty_images, s.empty_skipped),
+        (3, 2, 2)
+    );
+    let written = examples(&out, "train");
+    assert!(!written.contains_key("8") && !written.contains_key("50"));
+    // without --skip-empty both are written, as negatives
+    let s = prepare(&json, &dir.path().join("all"), &options(&images))
+        .unwrap()
+        .summary;
+    assert_eq!(
+        (s.written.images, s.empty_images, s.crowd_regions),
+        (5, 2, 2)
+    );
 }

@@ -2,7 +2,7 @@
 //! most of it segmentation polygons; held as a `serde_json::Value` it would take several
 //! gigabytes. So the top-level object is visited key by key, the `images` and `annotations`
 //! lists element by element, and of each annotation only what a detection record needs is
-//! kept (about 48 bytes); polygons and any other field are skipped unparsed. The keys may come
+//! kept (about 56 bytes); polygons and any other field are skipped unparsed. The keys may come
 //! in any order: references between the lists are resolved once the whole file is read.
 
 use std::fmt;
@@ -36,6 +36,20 @@ pub fn pixel_box(v: &Value) -> std::result::Result<BBox, String> {
     Ok(BBox::new(a[1], a[0], ymax, xmax))
 }
 
+/// COCO's `iscrowd`: absent, 0 or `false` for an object, 1 or `true` for a crowd region
+/// (pycocotools takes any true value for one); anything else is an error naming the value.
+pub fn crowd_flag(v: &Value) -> std::result::Result<bool, String> {
+    match v {
+        Value::Null | Value::Bool(false) => Ok(false),
+        Value::Bool(true) => Ok(true),
+        v => match v.as_u64() {
+            Some(0) => Ok(false),
+            Some(1) => Ok(true),
+            _ => Err(format!("`iscrowd` {v} is not 0, 1, false or true")),
+        },
+    }
+}
+
 /// An entry of `images`.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ImageEntry {
@@ -67,8 +81,10 @@ pub(crate) struct AnnotationEntry {
     pub bbox: BBox,
     /// Its place in `annotations`.
     pub index: u32,
-    /// `iscrowd: 1`.
+    /// `iscrowd: 1` (or `true`).
     pub crowd: bool,
+    /// `area` in pixels (the mask's, in COCO's own files), where the annotation has one.
+    pub area: Option<f32>,
 }
 
 impl AnnotationEntry {
@@ -109,8 +125,8 @@ struct RawImage {
     height: Option<Value>,
 }
 
-/// The fields of an annotation that are read; `segmentation`, `area` and any other are
-/// skipped by the parser without being built.
+/// The fields of an annotation that are read; `segmentation` and any other are skipped by the
+/// parser without being built.
 #[derive(Deserialize)]
 #[serde(expecting = "an annotation object {\"id\", \"image_id\", \"category_id\", \"bbox\", ...}")]
 struct RawAnnotation {
@@ -119,6 +135,7 @@ struct RawAnnotation {
     category_id: Option<Value>,
     bbox: Option<Value>,
     iscrowd: Option<Value>,
+    area: Option<Value>,
 }
 
 fn field<'a>(v: &'a Option<Value>, name: &str) -> std::result::Result<&'a Value, String> {
@@ -158,13 +175,16 @@ impl RawImage {
 impl RawAnnotation {
     fn read(&self, index: u32) -> std::result::Result<AnnotationEntry, String> {
         let category = field(&self.category_id, "category_id")?;
-        let crowd = match &self.iscrowd {
-            None => false,
-            Some(v) => match v.as_u64() {
-                Some(0) => false,
-                Some(1) => true,
-                _ => return Err(format!("`iscrowd` {v} is neither 0 nor 1")),
-            },
+        let crowd = crowd_flag(self.iscrowd.as_ref().unwrap_or(&Value::Null))?;
+        // as the API's records hold it: a float32, a finite number of at least 0
+        let area = match &self.area {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_f64()
+                    .map(|a| a as f32)
+                    .filter(|a| a.is_finite() && *a >= 0.0)
+                    .ok_or_else(|| format!("`area` {v} is not a number of at least 0"))?,
+            ),
         };
         Ok(AnnotationEntry {
             id: unsigned(&self.id, "id")?,
@@ -175,6 +195,7 @@ impl RawAnnotation {
             bbox: pixel_box(field(&self.bbox, "bbox")?)?,
             index,
             crowd,
+            area,
         })
     }
 }
@@ -433,9 +454,11 @@ mod tests {
                 bbox: BBox::new(20.0, 10.5, 60.25, 40.5),
                 index: 0,
                 crowd: false,
+                area: Some(1200.0),
             }
         );
         assert!(file.annotations[1].crowd);
+        assert_eq!(file.annotations[1].area, None);
         assert_eq!(file.categories.len(), 2);
     }
 
@@ -450,6 +473,7 @@ mod tests {
                 {"image_id": 2, "category_id": 1, "bbox": [1, 2, 3, 4]},
                 {"id": 9, "image_id": 2, "category_id": 1, "bbox": [1, 2, 3, 4], "iscrowd": 2},
                 {"id": 10, "image_id": 2, "category_id": 1, "bbox": [3e38, 2, 3e38, 4]},
+                {"id": 11, "image_id": 2, "category_id": 1, "bbox": [1, 2, 3, 4], "area": -3},
             ],
             "categories": [],
         })
@@ -485,12 +509,17 @@ mod tests {
                 (
                     "annotations[3] (id 9)",
                     Some(2),
-                    "`iscrowd` 2 is neither 0 nor 1"
+                    "`iscrowd` 2 is not 0, 1, false or true"
                 ),
                 (
                     "annotations[4] (id 10)",
                     Some(2),
                     "`bbox` [3e+38,2,3e+38,4] must be finite (x + width and y + height too)"
+                ),
+                (
+                    "annotations[5] (id 11)",
+                    Some(2),
+                    "`area` -3 is not a number of at least 0"
                 ),
                 (
                     "images[0] (id 1)",
@@ -500,6 +529,28 @@ mod tests {
             ]
         );
         assert_eq!(file.images.len(), 1);
+    }
+
+    /// `iscrowd` as pycocotools reads it: `true` is a crowd as 1 is, `false` none.
+    #[test]
+    fn crowds_may_be_booleans() {
+        let text = json!({
+            "images": [],
+            "annotations": [
+                {"id": 1, "image_id": 2, "category_id": 1, "bbox": [1, 2, 3, 4], "iscrowd": true},
+                {"id": 2, "image_id": 2, "category_id": 1, "bbox": [1, 2, 3, 4], "iscrowd": false},
+                {"id": 3, "image_id": 2, "category_id": 1, "bbox": [1, 2, 3, 4], "iscrowd": 1},
+            ],
+            "categories": [],
+        })
+        .to_string();
+        let crowds: Vec<bool> = read(&text, false)
+            .unwrap()
+            .annotations
+            .iter()
+            .map(|a| a.crowd)
+            .collect();
+        assert_eq!(crowds, [true, false, true]);
     }
 
     #[test]

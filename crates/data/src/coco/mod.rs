@@ -22,10 +22,10 @@ use serde_json::{Map, Value, json};
 use crate::error::{DataError, Result};
 use crate::prepare::{SplitSummary, check_num_shards, count_objects, replace_set, write_text};
 use crate::shards::{ClosedShards, ShardedWriter};
-use crate::voc::CleanupReport;
+use crate::voc::{CleanupReport, normalised_box};
 
 pub use categories::{Categories, Category};
-pub use json::pixel_box;
+pub use json::{crowd_flag, pixel_box};
 
 use json::{CocoJson, ImageEntry};
 use plan::Plan;
@@ -43,7 +43,8 @@ pub struct CocoOptions {
     /// Map the category ids to 1..=K in the order of `categories` even when they are valid
     /// label-map ids (ids starting at 0 are always mapped).
     pub contiguous_ids: bool,
-    /// Leave out images without any annotation instead of writing them as negatives.
+    /// Leave out images without any object to train on (no annotation, or only crowd regions
+    /// and boxes without area) instead of writing them as negatives.
     pub skip_empty: bool,
     /// Skip (and count) invalid images and annotations instead of stopping at the first.
     pub skip_invalid: bool,
@@ -57,9 +58,11 @@ pub struct CocoSummary {
     pub written: SplitSummary,
     /// Images re-encoded, boxes clipped or dropped.
     pub cleanup: CleanupReport,
-    /// Crowd regions (`iscrowd: 1`), not written as objects.
+    /// Crowd regions (`iscrowd: 1`) written: `image/object/is_crowd` marks them, evaluation
+    /// ignores the detections on them and training never sees them.
     pub crowd_regions: usize,
-    /// Images without any annotation in the file (written as negatives unless skipped).
+    /// Images without any object to train on: no annotation, or only crowd regions and boxes
+    /// without area (written as negatives unless skipped).
     pub empty_images: usize,
     /// Of those, left out with `skip_empty`.
     pub empty_skipped: usize,
@@ -84,8 +87,10 @@ pub struct CocoPrepared {
 
 /// Prepares the split `options.split` of `out` from the COCO file `annotations`. Boxes
 /// `[x, y, w, h]` become normalised corners, clipped to the image or dropped when no area is
-/// left (counted); crowd regions are left out (counted); images without annotations are
-/// written as negatives (or left out with `skip_empty`), counted. An image or annotation
+/// left (counted); every object keeps its `area` (`image/object/area`, the box's where the
+/// annotation has none); crowd regions are written for evaluation only
+/// (`image/object/is_crowd`: never trained on), counted; images without any object to train
+/// on are written as negatives (or left out with `skip_empty`), counted. An image or annotation
 /// whose fields are missing or malformed, an id seen twice, an annotation of an unknown image
 /// or category, an image file missing, not decoding completely or of another size than the
 /// file says is an error naming the entry, or with `skip_invalid` skipped and counted (an
@@ -106,7 +111,13 @@ pub fn prepare_coco(
         .map_err(|bad| invalid_entry(annotations, &bad.what, bad.problem))?;
     let classes = class_record(&categories);
     let mut manifest = Manifest::open(out, &options.split, &classes)?;
-    let is_empty = |im: &&ImageEntry| plan.annotations_of(im.id).is_empty();
+    // no object to train on: no annotation, or crowd regions and boxes dropped only
+    let is_empty = |im: &&ImageEntry| {
+        !plan.annotations_of(im.id).iter().any(|a| {
+            let mut counted = CleanupReport::default();
+            !a.crowd && normalised_box(a.bbox, im.width, im.height, &mut counted).is_some()
+        })
+    };
     let empty_images = plan.images.iter().filter(is_empty).count();
     let work: Vec<&ImageEntry> = plan
         .images
@@ -207,7 +218,7 @@ fn write_images(
         for (image, record) in chunk.iter().zip(records) {
             match record {
                 Ok(r) => {
-                    writer.write(&r.example.encode())?;
+                    writer.write(&r.example.encode_with(&r.objects))?;
                     count_objects(&r.example, &mut summary.written.objects);
                     summary.cleanup.add(&r.cleanup);
                     summary.crowd_regions += r.crowd;

@@ -2,17 +2,89 @@
 //! (`COCOeval` for boxes: greedy matching per IoU threshold, 101-point interpolated precision,
 //! area ranges and max-detection limits), and PASCAL VOC AP@0.5 per class as the API's
 //! `PascalDetectionEvaluator` (difficult boxes ignored, all-point interpolation).
+//!
+//! The COCO metric computes as pycocotools does, to the last bit: boxes as COCO writes them
+//! (`[x, y, width, height]`), areas, scores and IoUs (maskApi's `bbIou`) in f64; a ground
+//! truth's area range read from its `area` (a mask's, in COCO's own files), a detection's
+//! from its box; the IoU and recall thresholds numpy's `linspace` values; the images visited
+//! in the order of their ids, so that detections of equal score rank in that order (a stable
+//! sort, as pycocotools' mergesort); the means summed pairwise, as numpy sums.
 
 use std::collections::BTreeMap;
 
 use model::BBox;
 use serde::Serialize;
 
+/// A box in pixels as COCO writes it, `[x, y, width, height]`, in f64 as pycocotools reads
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CocoBox {
+    /// Left edge.
+    pub x: f64,
+    /// Top edge.
+    pub y: f64,
+    /// Width.
+    pub width: f64,
+    /// Height.
+    pub height: f64,
+}
+
+impl CocoBox {
+    /// The box of corners in f32 pixels, as the API's evaluator converts its float32 boxes
+    /// (`coco_tools._ConvertBoxToCOCOFormat`): the width and height subtracted in f32, then
+    /// widened.
+    pub fn from_corners(b: &BBox) -> Self {
+        Self {
+            x: f64::from(b.xmin),
+            y: f64::from(b.ymin),
+            width: f64::from(b.xmax - b.xmin),
+            height: f64::from(b.ymax - b.ymin),
+        }
+    }
+
+    /// Width times height: pycocotools' `area` of a detection.
+    pub fn area(&self) -> f64 {
+        self.width * self.height
+    }
+
+    /// The corners in f32 pixels, as training data reads a COCO box (the VOC metric's).
+    pub fn corners(&self) -> BBox {
+        let (x, y) = (self.x as f32, self.y as f32);
+        BBox::new(y, x, y + self.height as f32, x + self.width as f32)
+    }
+
+    /// The overlap of this detection with a ground-truth box as maskApi's `bbIou` computes
+    /// it: the intersection over the union, or over the detection's own area where the
+    /// ground truth is a crowd region; 0 where they do not intersect.
+    fn overlap(&self, gt: &CocoBox, crowd: bool) -> f64 {
+        let w = (self.width + self.x).min(gt.width + gt.x) - self.x.max(gt.x);
+        if w <= 0.0 {
+            return 0.0;
+        }
+        let h = (self.height + self.y).min(gt.height + gt.y) - self.y.max(gt.y);
+        if h <= 0.0 {
+            return 0.0;
+        }
+        let i = w * h;
+        let u = if crowd {
+            self.area()
+        } else {
+            self.area() + gt.area() - i
+        };
+        i / u
+    }
+}
+
 /// A ground-truth box in pixels.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GtBox {
-    /// Box in pixels.
+    /// Corners in f32 pixels (the VOC metric's).
     pub bbox: BBox,
+    /// The box the COCO metric matches.
+    pub coco_box: CocoBox,
+    /// The area the COCO metric's ranges read (small, medium, large): the annotation's
+    /// `area`, which in COCO's own files is its mask's, else its box's.
+    pub area: f64,
     /// Class id.
     pub class_id: usize,
     /// PASCAL "difficult" (ignored by the VOC metric).
@@ -23,20 +95,62 @@ pub struct GtBox {
     pub crowd: bool,
 }
 
+impl GtBox {
+    /// A box of corners in f32 pixels (a record's), with the area a record gives for it:
+    /// used where above 0, else the box's own (in f32), as the API's evaluator takes it.
+    pub fn from_corners(
+        bbox: BBox,
+        area: Option<f32>,
+        class_id: usize,
+        difficult: bool,
+        crowd: bool,
+    ) -> Self {
+        let area = area.filter(|a| a.is_finite() && *a > 0.0);
+        Self {
+            bbox,
+            coco_box: CocoBox::from_corners(&bbox),
+            area: f64::from(area.unwrap_or_else(|| bbox.area())),
+            class_id,
+            difficult,
+            crowd,
+        }
+    }
+}
+
 /// A detection in pixels.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DetBox {
-    /// Box in pixels.
+    /// Box in f32 pixels (the VOC metric's, and what is drawn).
     pub bbox: BBox,
     /// Class id.
     pub class_id: usize,
-    /// Score.
+    /// Score in f32 (what is drawn).
     pub score: f32,
+    /// The box the COCO metric matches (a results file's, in f64).
+    pub coco_box: CocoBox,
+    /// The score both metrics rank by (a results file's, in f64).
+    pub coco_score: f64,
+}
+
+impl DetBox {
+    /// A detection of the network, its box in f32 pixels.
+    pub fn new(bbox: BBox, class_id: usize, score: f32) -> Self {
+        Self {
+            bbox,
+            class_id,
+            score,
+            coco_box: CocoBox::from_corners(&bbox),
+            coco_score: f64::from(score),
+        }
+    }
 }
 
 /// One image's ground truth and detections.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ImageResult {
+    /// The image's id: the COCO metric visits the images in the order of their ids, as
+    /// pycocotools does, so that detections of equal score across images rank in that order.
+    pub image_id: u64,
     /// Ground truth.
     pub ground_truth: Vec<GtBox>,
     /// Detections.
@@ -92,16 +206,38 @@ impl Metrics {
     }
 }
 
-const AREAS: [(f32, f32); 4] = [(0.0, 1e10), (0.0, 1024.0), (1024.0, 9216.0), (9216.0, 1e10)];
+/// pycocotools' area ranges (all, small, medium, large), compared with `<` and `>`: an area
+/// on a limit is in both ranges.
+const AREAS: [(f64, f64); 4] = [(0.0, 1e10), (0.0, 1024.0), (1024.0, 9216.0), (9216.0, 1e10)];
 const MAX_DETS: [usize; 3] = [1, 10, 100];
 
+/// numpy's `linspace(start, stop, num)`, as pycocotools makes its thresholds: `i * step +
+/// start`, the last one `stop` itself (0.85 and 0.9 differ from `0.5 + 0.05 * i` in the last
+/// bit, and so do ten of the recall points from `i / 100`).
+fn linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
+    let step = (stop - start) / (num - 1) as f64;
+    (0..num)
+        .map(|i| {
+            if i + 1 == num {
+                stop
+            } else {
+                i as f64 * step + start
+            }
+        })
+        .collect()
+}
+
 fn iou_thresholds() -> Vec<f64> {
-    (0..10).map(|i| 0.5 + 0.05 * i as f64).collect()
+    linspace(0.5, 0.95, 10)
+}
+
+fn recall_thresholds() -> Vec<f64> {
+    linspace(0.0, 1.0, 101)
 }
 
 /// `evaluateImg` of one image, category and area range.
 struct ImageEval {
-    scores: Vec<f32>,
+    scores: Vec<f64>,
     /// `[threshold][detection]` matched.
     matched: Vec<Vec<bool>>,
     /// `[threshold][detection]` ignored.
@@ -109,79 +245,88 @@ struct ImageEval {
     gt_ignored: Vec<bool>,
 }
 
-fn evaluate_image(
-    gts: &[&GtBox],
-    dets: &[&DetBox],
-    area: (f32, f32),
-    thresholds: &[f64],
-) -> Option<ImageEval> {
+/// `evaluateImg` of one image and category in each of the [`AREAS`]; `None` without ground
+/// truth and detections.
+fn evaluate_image(gts: &[&GtBox], dets: &[&DetBox], thresholds: &[f64]) -> Option<Vec<ImageEval>> {
     if gts.is_empty() && dets.is_empty() {
         return None;
     }
-    let outside = |b: &BBox| b.area() < area.0 || b.area() > area.1;
-    // non-ignored ground truth first (stable)
-    let mut gts: Vec<(&GtBox, bool)> = gts
-        .iter()
-        .map(|g| (*g, g.crowd || outside(&g.bbox)))
-        .collect();
-    gts.sort_by_key(|(_, ig)| *ig);
+    // the best first (stable: equal scores keep their order), the first 100
     let mut dets: Vec<&DetBox> = dets.to_vec();
-    dets.sort_by(|a, b| b.score.total_cmp(&a.score));
+    dets.sort_by(|a, b| {
+        b.coco_score
+            .partial_cmp(&a.coco_score)
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     dets.truncate(MAX_DETS[2]);
-    let mut matched = vec![vec![false; dets.len()]; thresholds.len()];
-    let mut ignored = vec![vec![false; dets.len()]; thresholds.len()];
-    for (t, &thr) in thresholds.iter().enumerate() {
-        let mut gt_taken = vec![false; gts.len()];
-        for (d, det) in dets.iter().enumerate() {
-            let mut best = thr.min(1.0 - 1e-10);
-            let mut m: Option<usize> = None;
-            for (g, (gt, g_ignored)) in gts.iter().enumerate() {
-                if gt_taken[g] && !gt.crowd {
-                    continue;
-                }
-                if let Some(prev) = m
-                    && !gts[prev].1
-                    && *g_ignored
-                {
-                    break;
-                }
-                let iou = match gt.crowd {
-                    true => {
-                        det.bbox.intersection(&gt.bbox) / det.bbox.area().max(f32::MIN_POSITIVE)
+    let ious: Vec<Vec<f64>> = dets
+        .iter()
+        .map(|d| {
+            gts.iter()
+                .map(|g| d.coco_box.overlap(&g.coco_box, g.crowd))
+                .collect()
+        })
+        .collect();
+    let evals = AREAS
+        .iter()
+        .map(|&(lo, hi)| {
+            let outside = |area: f64| area < lo || area > hi;
+            // the ground truth not ignored first (stable)
+            let mut order: Vec<usize> = (0..gts.len()).collect();
+            let ignore: Vec<bool> = gts.iter().map(|g| g.crowd || outside(g.area)).collect();
+            order.sort_by_key(|&g| ignore[g]);
+            let mut matched = vec![vec![false; dets.len()]; thresholds.len()];
+            let mut ignored = vec![vec![false; dets.len()]; thresholds.len()];
+            for (t, &thr) in thresholds.iter().enumerate() {
+                let mut gt_taken = vec![false; gts.len()];
+                for d in 0..dets.len() {
+                    let mut best = thr.min(1.0 - 1e-10);
+                    let mut m: Option<usize> = None;
+                    for &g in &order {
+                        if gt_taken[g] && !gts[g].crowd {
+                            continue;
+                        }
+                        // matched to an object: an ignored one cannot replace it
+                        if m.is_some_and(|m| !ignore[m]) && ignore[g] {
+                            break;
+                        }
+                        if ious[d][g] < best {
+                            continue;
+                        }
+                        best = ious[d][g];
+                        m = Some(g);
                     }
-                    false => det.bbox.iou(&gt.bbox),
-                } as f64;
-                if iou < best {
-                    continue;
+                    if let Some(g) = m {
+                        ignored[t][d] = ignore[g];
+                        matched[t][d] = true;
+                        gt_taken[g] = true;
+                    }
                 }
-                best = iou;
-                m = Some(g);
+                // unmatched detections outside the range are ignored
+                for (d, det) in dets.iter().enumerate() {
+                    if !matched[t][d] && outside(det.coco_box.area()) {
+                        ignored[t][d] = true;
+                    }
+                }
             }
-            if let Some(g) = m {
-                ignored[t][d] = gts[g].1;
-                matched[t][d] = true;
-                gt_taken[g] = true;
+            ImageEval {
+                scores: dets.iter().map(|d| d.coco_score).collect(),
+                matched,
+                ignored,
+                gt_ignored: order.iter().map(|&g| ignore[g]).collect(),
             }
-        }
-        for (d, det) in dets.iter().enumerate() {
-            if !matched[t][d] && outside(&det.bbox) {
-                ignored[t][d] = true;
-            }
-        }
-    }
-    Some(ImageEval {
-        scores: dets.iter().map(|d| d.score).collect(),
-        matched,
-        ignored,
-        gt_ignored: gts.iter().map(|(_, ig)| *ig).collect(),
-    })
+        })
+        .collect();
+    Some(evals)
 }
 
-/// `(precision at 101 recall points, final recall)` per threshold, or `None` without ground truth.
+/// `(precision at the recall points, final recall)` per threshold, or `None` without ground
+/// truth that counts.
 fn accumulate(
     evals: &[&ImageEval],
     max_det: usize,
     thresholds: usize,
+    recall_points: &[f64],
 ) -> Option<Vec<(Vec<f64>, f64)>> {
     let npig = evals
         .iter()
@@ -191,14 +336,14 @@ fn accumulate(
     if npig == 0 {
         return None;
     }
-    let mut entries: Vec<(f32, usize, usize)> = Vec::new(); // (score, image, detection)
+    // (score, image, detection), the images in order: equal scores keep it (stable sort)
+    let mut entries: Vec<(f64, usize, usize)> = Vec::new();
     for (i, e) in evals.iter().enumerate() {
         for d in 0..e.scores.len().min(max_det) {
             entries.push((e.scores[d], i, d));
         }
     }
-    entries.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let rec_thresholds: Vec<f64> = (0..=100).map(|i| i as f64 / 100.0).collect();
+    entries.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal));
     Some(
         (0..thresholds)
             .map(|t| {
@@ -224,7 +369,7 @@ fn accumulate(
                         precision[i - 1] = precision[i];
                     }
                 }
-                let q = rec_thresholds
+                let q = recall_points
                     .iter()
                     .map(|&r| {
                         let idx = recall.partition_point(|&x| x < r);
@@ -237,82 +382,130 @@ fn accumulate(
     )
 }
 
-fn mean(values: &[f64]) -> f64 {
-    let v: Vec<f64> = values.iter().copied().filter(|x| *x > -1.0).collect();
-    if v.is_empty() {
-        -1.0
+/// numpy's sum of a float64 array (`pairwise_sum`): blocks of up to 128 values summed in
+/// eight interleaved partial sums, longer arrays halved (at a multiple of 8) and the halves'
+/// sums added.
+fn numpy_sum(v: &[f64]) -> f64 {
+    let n = v.len();
+    if n < 8 {
+        v.iter().fold(0.0, |acc, x| acc + x)
+    } else if n <= 128 {
+        let mut r = [0f64; 8];
+        r.copy_from_slice(&v[..8]);
+        let whole = n - n % 8;
+        for chunk in v[8..whole].chunks_exact(8) {
+            for (acc, x) in r.iter_mut().zip(chunk) {
+                *acc += x;
+            }
+        }
+        let mut res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for x in &v[whole..] {
+            res += x;
+        }
+        res
     } else {
-        v.iter().sum::<f64>() / v.len() as f64
+        let half = n / 2;
+        let half = half - half % 8;
+        numpy_sum(&v[..half]) + numpy_sum(&v[half..])
     }
 }
 
-/// The twelve COCO box metrics over `images` for the classes `class_ids`.
+/// pycocotools' mean of the values above -1 (those of classes with ground truth), in the
+/// order given (numpy's C order of the precision or recall array); -1 when there are none.
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = values.filter(|x| *x > -1.0).collect();
+    if v.is_empty() {
+        -1.0
+    } else {
+        numpy_sum(&v) / v.len() as f64
+    }
+}
+
+/// The twelve COCO box metrics over `images` for the classes `class_ids` (in ascending
+/// order, as pycocotools sorts its category ids).
 pub fn coco_metrics(images: &[ImageResult], class_ids: &[usize]) -> [f64; 12] {
     let thresholds = iou_thresholds();
-    // results[area][max_det] -> per (threshold, class): precision vectors and recall
-    let mut ap = vec![vec![Vec::<(usize, Vec<f64>)>::new(); MAX_DETS.len()]; AREAS.len()];
-    let mut ar = vec![vec![Vec::<(usize, f64)>::new(); MAX_DETS.len()]; AREAS.len()];
-    for &class in class_ids {
-        for (a, &area) in AREAS.iter().enumerate() {
-            let evals: Vec<ImageEval> = images
-                .iter()
-                .filter_map(|im| {
-                    let gts: Vec<&GtBox> = im
-                        .ground_truth
-                        .iter()
-                        .filter(|g| g.class_id == class)
-                        .collect();
-                    let dets: Vec<&DetBox> = im
-                        .detections
-                        .iter()
-                        .filter(|d| d.class_id == class)
-                        .collect();
-                    evaluate_image(&gts, &dets, area, &thresholds)
-                })
-                .collect();
-            let refs: Vec<&ImageEval> = evals.iter().collect();
+    let recall_points = recall_thresholds();
+    let (nt, nr, nk) = (thresholds.len(), recall_points.len(), class_ids.len());
+    // the images in the order of their ids (stable: images with the same id keep theirs)
+    let mut images: Vec<&ImageResult> = images.iter().collect();
+    images.sort_by_key(|im| im.image_id);
+    // each image's ground truth and detections by class
+    type ByClass<'a> = BTreeMap<usize, (Vec<&'a GtBox>, Vec<&'a DetBox>)>;
+    let by_class: Vec<ByClass> = images
+        .iter()
+        .map(|im| {
+            let mut m = ByClass::new();
+            for g in &im.ground_truth {
+                m.entry(g.class_id).or_default().0.push(g);
+            }
+            for d in &im.detections {
+                m.entry(d.class_id).or_default().1.push(d);
+            }
+            m
+        })
+        .collect();
+    // precision[area][max_det] as numpy's [threshold][recall point][class] (C order), -1
+    // where a class has no ground truth; recall[area][max_det] as [threshold][class]
+    let mut precision = vec![vec![vec![-1.0; nt * nr * nk]; MAX_DETS.len()]; AREAS.len()];
+    let mut recall = vec![vec![vec![-1.0; nt * nk]; MAX_DETS.len()]; AREAS.len()];
+    for (k, class) in class_ids.iter().enumerate() {
+        // evals[area]: the images with ground truth or detections of the class, in order
+        let mut evals: Vec<Vec<ImageEval>> = (0..AREAS.len()).map(|_| Vec::new()).collect();
+        for classes in &by_class {
+            let Some((gts, dets)) = classes.get(class) else {
+                continue;
+            };
+            if let Some(per_area) = evaluate_image(gts, dets, &thresholds) {
+                for (a, e) in per_area.into_iter().enumerate() {
+                    evals[a].push(e);
+                }
+            }
+        }
+        for (a, area_evals) in evals.iter().enumerate() {
+            let refs: Vec<&ImageEval> = area_evals.iter().collect();
             for (m, &max_det) in MAX_DETS.iter().enumerate() {
-                if let Some(per_t) = accumulate(&refs, max_det, thresholds.len()) {
-                    for (t, (q, r)) in per_t.into_iter().enumerate() {
-                        ap[a][m].push((t, q));
-                        ar[a][m].push((t, r));
+                let Some(per_t) = accumulate(&refs, max_det, nt, &recall_points) else {
+                    continue;
+                };
+                for (t, (q, r)) in per_t.into_iter().enumerate() {
+                    for (ri, p) in q.into_iter().enumerate() {
+                        precision[a][m][(t * nr + ri) * nk + k] = p;
                     }
+                    recall[a][m][t * nk + k] = r;
                 }
             }
         }
     }
-    let ap_of = |a: usize, m: usize, t: Option<usize>| {
-        let vals: Vec<f64> = ap[a][m]
-            .iter()
-            .filter(|(ti, _)| t.is_none_or(|t| *ti == t))
-            .flat_map(|(_, q)| q.iter().copied())
-            .collect();
-        mean(&vals)
+    let ap = |a: usize, m: usize, t: Option<usize>| {
+        let s = &precision[a][m];
+        match t {
+            None => mean(s.iter().copied()),
+            Some(t) => mean(s[t * nr * nk..(t + 1) * nr * nk].iter().copied()),
+        }
     };
-    let ar_of = |a: usize, m: usize| {
-        let vals: Vec<f64> = ar[a][m].iter().map(|(_, r)| *r).collect();
-        mean(&vals)
-    };
+    let ar = |a: usize, m: usize| mean(recall[a][m].iter().copied());
+    // AP50 and AP75: the thresholds 0.5 and 0.75 (the first and the sixth)
     [
-        ap_of(0, 2, None),
-        ap_of(0, 2, Some(0)),
-        ap_of(0, 2, Some(5)),
-        ap_of(1, 2, None),
-        ap_of(2, 2, None),
-        ap_of(3, 2, None),
-        ar_of(0, 0),
-        ar_of(0, 1),
-        ar_of(0, 2),
-        ar_of(1, 2),
-        ar_of(2, 2),
-        ar_of(3, 2),
+        ap(0, 2, None),
+        ap(0, 2, Some(0)),
+        ap(0, 2, Some(5)),
+        ap(1, 2, None),
+        ap(2, 2, None),
+        ap(3, 2, None),
+        ar(0, 0),
+        ar(0, 1),
+        ar(0, 2),
+        ar(1, 2),
+        ar(2, 2),
+        ar(3, 2),
     ]
 }
 
 /// PASCAL VOC AP at IoU 0.5 for one class; `None` when the class has no (non-difficult)
 /// ground truth.
 pub fn voc_average_precision(images: &[ImageResult], class: usize) -> Option<f64> {
-    let mut scored: Vec<(f32, bool)> = Vec::new();
+    let mut scored: Vec<(f64, bool)> = Vec::new();
     let mut num_gt = 0;
     for im in images {
         let gts: Vec<&GtBox> = im
@@ -326,7 +519,7 @@ pub fn voc_average_precision(images: &[ImageResult], class: usize) -> Option<f64
             .iter()
             .filter(|d| d.class_id == class)
             .collect();
-        dets.sort_by(|a, b| b.score.total_cmp(&a.score));
+        dets.sort_by(|a, b| b.coco_score.total_cmp(&a.coco_score));
         let mut detected = vec![false; gts.len()];
         for d in dets {
             let best = gts
@@ -342,10 +535,10 @@ pub fn voc_average_precision(images: &[ImageResult], class: usize) -> Option<f64
                     if gts[g].difficult {
                         continue; // matched to a difficult box: ignored
                     }
-                    scored.push((d.score, !detected[g]));
+                    scored.push((d.coco_score, !detected[g]));
                     detected[g] = true;
                 }
-                _ => scored.push((d.score, false)),
+                _ => scored.push((d.coco_score, false)),
             }
         }
     }
@@ -416,30 +609,28 @@ mod tests {
     use super::*;
 
     fn gt(y: f32, x: f32, s: f32, class_id: usize) -> GtBox {
-        GtBox {
-            bbox: BBox::new(y, x, y + s, x + s),
-            class_id,
-            difficult: false,
-            crowd: false,
-        }
+        GtBox::from_corners(BBox::new(y, x, y + s, x + s), None, class_id, false, false)
     }
     fn det(y: f32, x: f32, s: f32, class_id: usize, score: f32) -> DetBox {
-        DetBox {
-            bbox: BBox::new(y, x, y + s, x + s),
-            class_id,
-            score,
+        DetBox::new(BBox::new(y, x, y + s, x + s), class_id, score)
+    }
+    fn image(ground_truth: Vec<GtBox>, detections: Vec<DetBox>) -> ImageResult {
+        ImageResult {
+            image_id: 0,
+            ground_truth,
+            detections,
         }
     }
 
     #[test]
     fn perfect_detections_score_one() {
-        let images = vec![ImageResult {
-            ground_truth: vec![gt(0.0, 0.0, 50.0, 1), gt(100.0, 100.0, 120.0, 2)],
-            detections: vec![
+        let images = vec![image(
+            vec![gt(0.0, 0.0, 50.0, 1), gt(100.0, 100.0, 120.0, 2)],
+            vec![
                 det(0.0, 0.0, 50.0, 1, 0.9),
                 det(100.0, 100.0, 120.0, 2, 0.8),
             ],
-        }];
+        )];
         let m = evaluate(&images, &["cat".into(), "dog".into()]);
         // precision is tp / (tp + fp + eps) as in pycocotools
         let one = |v: f64| (v - 1.0).abs() < 1e-12;
@@ -455,14 +646,14 @@ mod tests {
     /// (0.8), then a hit (0.7). Precision/recall points: (1, 0.5), (0.5, 0.5), (2/3, 1).
     #[test]
     fn hand_case_with_a_false_positive() {
-        let images = vec![ImageResult {
-            ground_truth: vec![gt(0.0, 0.0, 100.0, 1), gt(200.0, 200.0, 100.0, 1)],
-            detections: vec![
+        let images = vec![image(
+            vec![gt(0.0, 0.0, 100.0, 1), gt(200.0, 200.0, 100.0, 1)],
+            vec![
                 det(0.0, 0.0, 100.0, 1, 0.9),
                 det(500.0, 500.0, 100.0, 1, 0.8),
                 det(200.0, 200.0, 100.0, 1, 0.7),
             ],
-        }];
+        )];
         // VOC all-point: envelope precision 1 up to recall 0.5, 2/3 up to 1 -> 0.5 + 1/3
         let ap = voc_average_precision(&images, 1).unwrap();
         assert!((ap - (0.5 + 1.0 / 3.0)).abs() < 1e-9, "{ap}");
@@ -481,23 +672,19 @@ mod tests {
     #[test]
     fn iou_thresholds_and_difficult_boxes() {
         // detection shifted so that IoU = 80 * 100 / (2 * 10000 - 8000) = 2/3
-        let images = vec![ImageResult {
-            ground_truth: vec![
+        let images = vec![image(
+            vec![
                 gt(0.0, 0.0, 100.0, 1),
                 GtBox {
                     difficult: true,
                     ..gt(300.0, 300.0, 50.0, 1)
                 },
             ],
-            detections: vec![
-                DetBox {
-                    bbox: BBox::new(0.0, 20.0, 100.0, 120.0),
-                    class_id: 1,
-                    score: 0.9,
-                },
+            vec![
+                DetBox::new(BBox::new(0.0, 20.0, 100.0, 120.0), 1, 0.9),
                 det(300.0, 300.0, 50.0, 1, 0.95),
             ],
-        }];
+        )];
         // VOC: the detection on the difficult box is ignored; the other is a hit at IoU 0.67
         assert_eq!(voc_average_precision(&images, 1), Some(1.0));
         // COCO does not ignore difficult boxes: 2 ground truths. At IoU 0.5-0.65 both
@@ -512,13 +699,93 @@ mod tests {
 
     #[test]
     fn classes_without_ground_truth_are_left_out() {
-        let images = vec![ImageResult {
-            ground_truth: vec![gt(0.0, 0.0, 50.0, 1)],
-            detections: vec![det(0.0, 0.0, 50.0, 2, 0.9)],
-        }];
+        let images = vec![image(
+            vec![gt(0.0, 0.0, 50.0, 1)],
+            vec![det(0.0, 0.0, 50.0, 2, 0.9)],
+        )];
         let m = evaluate(&images, &["a".into(), "b".into()]);
         assert_eq!(m.voc_AP.len(), 1);
         assert_eq!(m.voc_AP["a"], 0.0);
         assert_eq!(m.AP, 0.0);
+    }
+
+    /// pycocotools reads a ground truth's area range from its `area` (a mask's, smaller than
+    /// its box), a detection's from its box: a 40x40 box whose mask covers 900 px^2 is small.
+    #[test]
+    fn area_ranges_read_the_annotation_area() {
+        let mut object = gt(10.0, 10.0, 40.0, 1);
+        object.area = 900.0;
+        let images = vec![image(vec![object], vec![det(10.0, 10.0, 40.0, 1, 0.9)])];
+        let c = coco_metrics(&images, &[1]);
+        // APs, APm, APl; ARs, ARm, ARl: the object is small; the detection (1600 px^2,
+        // medium) matches it in the small range and is ignored, unmatched, outside medium
+        assert!((c[3] - 1.0).abs() < 1e-12, "{c:?}");
+        assert_eq!([c[4], c[5]], [-1.0, -1.0], "{c:?}");
+        assert_eq!([c[9], c[10], c[11]], [1.0, -1.0, -1.0]);
+    }
+
+    /// Detections of equal score (an int8 model's scores come in steps of 1/256) rank in the
+    /// order of their images' ids, whatever the order of the images given.
+    #[test]
+    fn equal_scores_rank_in_image_id_order() {
+        let second = ImageResult {
+            image_id: 2,
+            // a false positive at 0.5 and a hit at 0.25
+            ..image(
+                vec![gt(0.0, 0.0, 100.0, 1)],
+                vec![
+                    det(300.0, 300.0, 100.0, 1, 0.5),
+                    det(0.0, 0.0, 100.0, 1, 0.25),
+                ],
+            )
+        };
+        let first = ImageResult {
+            image_id: 1,
+            // a hit at 0.5
+            ..image(
+                vec![gt(0.0, 0.0, 100.0, 1)],
+                vec![det(0.0, 0.0, 100.0, 1, 0.5)],
+            )
+        };
+        // image 1's hit first: precision 1 up to recall 0.5 (51 recall points), then 2/3
+        let want = (51.0 + 50.0 * 2.0 / 3.0) / 101.0;
+        for images in [
+            vec![second.clone(), first.clone()],
+            vec![first.clone(), second.clone()],
+        ] {
+            let c = coco_metrics(&images, &[1]);
+            assert!((c[1] - want).abs() < 1e-9, "{} vs {want}", c[1]);
+        }
+    }
+
+    /// IoUs and thresholds as pycocotools has them: in f64 (an IoU of exactly 0.7 is 0.7,
+    /// not float32's 0.69999999), the thresholds numpy's linspace values (0.85 is 0.85, not
+    /// `0.5 + 0.05 * 7` = 0.8500000000000001).
+    #[test]
+    fn ious_on_a_threshold_match_it() {
+        assert_eq!(iou_thresholds()[7], 0.85);
+        assert_eq!(iou_thresholds()[8], 0.8999999999999999);
+        assert_eq!(recall_thresholds()[35], 0.35000000000000003);
+        assert_eq!(recall_thresholds()[100], 1.0);
+        // the detection covers 70% and 85% of its object: it matches at the thresholds from
+        // 0.5 to 0.7 (5 of 10) and to 0.85 (8 of 10)
+        for (width, want) in [(70.0, 0.5), (85.0, 0.8)] {
+            let images = vec![image(
+                vec![gt(0.0, 0.0, 100.0, 1)],
+                vec![DetBox::new(BBox::new(0.0, 0.0, 100.0, width), 1, 0.9)],
+            )];
+            let c = coco_metrics(&images, &[1]);
+            assert!((c[0] - want).abs() < 1e-12, "{width}: {} vs {want}", c[0]);
+        }
+    }
+
+    #[test]
+    fn means_are_summed_as_numpy_sums() {
+        // numbers numpy gives: np.add.reduce(np.array([1.0 / (i + 3) for i in range(n)]))
+        let v = |n: usize| (0..n).map(|i| 1.0 / (i as f64 + 3.0)).collect::<Vec<f64>>();
+        assert_eq!(numpy_sum(&v(1010)), 5.99739350452643);
+        assert_eq!(numpy_sum(&v(100)), 3.707082429307257);
+        assert_eq!(mean(v(1010).into_iter()), 0.0059380133708182474);
+        assert_eq!(mean([-1.0, -1.0].into_iter()), -1.0);
     }
 }
