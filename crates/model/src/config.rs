@@ -50,8 +50,9 @@ pub struct SsdConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct QuantizationConfig {
-    /// Steps trained in float before the fake quantization takes effect (`delay`); the
-    /// activation ranges are learned from the first step.
+    /// The fake quantization takes effect at the step numbered `delay`, counting from 1
+    /// ([`active_at`](Self::active_at)); the activation ranges are learned from the first
+    /// step.
     pub delay: u64,
     /// Bits of the weights (`weight_bits`): only 8.
     pub weight_bits: u32,
@@ -70,6 +71,16 @@ impl Default for QuantizationConfig {
             activation_bits: 8,
             symmetric: false,
         }
+    }
+}
+
+impl QuantizationConfig {
+    /// Whether the fake quantization is in effect in the step that follows `steps_done`
+    /// steps. TF1 increments its `fake_quantization_step` before comparing it with
+    /// `quant_delay` (`CreateOrGetQuantizationStep` returns the `assign_add`), so the step
+    /// numbered `delay`, counting from 1, is the first one quantized.
+    pub fn active_at(&self, steps_done: u64) -> bool {
+        steps_done + 1 >= self.delay
     }
 }
 
@@ -475,6 +486,22 @@ impl SsdConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// TF1's counter reads 1 in the first step: with `quant_delay` 3 the third step is the
+    /// first quantized; with 0 or 1, the first.
+    #[test]
+    fn the_quantization_delay_counts_steps_from_one() {
+        let at = |delay| {
+            let q = QuantizationConfig {
+                delay,
+                ..QuantizationConfig::default()
+            };
+            (0..4).map(|done| q.active_at(done)).collect::<Vec<_>>()
+        };
+        assert_eq!(at(3), [false, false, true, true]);
+        assert_eq!(at(1), [true; 4]);
+        assert_eq!(at(0), [true; 4]);
+    }
 
     #[test]
     fn defaults_are_valid_and_round_trip_through_json() {

@@ -21,7 +21,8 @@
 //! - **`symmetric`**: a batch range `[m, M]` becomes `[min(m, M / r), max(M, m * r)]` with
 //!   `r = -1` for the weights' narrow range and `r = -(2^bits - 2) / 2^bits` otherwise.
 //! - **`delay`**: the ranges are learned from the first step; the quantization takes effect
-//!   from step `delay` on (before it, the layer's output passes as it is).
+//!   at the step numbered `delay`, counting from 1 (`QuantizationConfig::active_at`; before
+//!   it, the layer's output passes as it is).
 //! - **The fake quantization** (`FakeQuantWithMinMaxVars`): the range is nudged so that 0 is
 //!   a code (`scale = (max - min) / (q_max - q_min)`, zero point `q_min - min / scale`
 //!   rounded into `[q_min, q_max]`), values are clamped to the nudged range and rounded to
@@ -44,12 +45,12 @@ const RANGE_DECAY: f32 = 0.999;
 const BITS: u32 = 8;
 
 /// How a range is quantized: the settings of the run and whether the quantization has taken
-/// effect yet (from step `delay` on).
+/// effect yet (`QuantizationConfig::active_at`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FakeQuant {
     /// Ranges symmetric around 0.
     pub symmetric: bool,
-    /// The quantization takes effect (the step is at least `delay`).
+    /// The quantization takes effect (the delay has passed).
     pub active: bool,
 }
 
@@ -71,7 +72,7 @@ impl FakeQuant {
         if !self.active {
             return weights;
         }
-        let range = batch_range(&weights, self.symmetric, true);
+        let range = batch_range(std::slice::from_ref(&weights), self.symmetric, true);
         fake_quantize(weights, range, true)
     }
 }
@@ -128,8 +129,19 @@ impl<B: Backend> ActivationRange<B> {
     /// Moves the range towards `x`'s and fake-quantizes `x` over it when the quantization is
     /// in effect (`MovingAvgQuantize`); `x` as it is before.
     pub(crate) fn quantize<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let device = x.device();
-        let batch = batch_range(&x.clone().detach(), self.rule.symmetric, false);
+        let mut quantized = self.quantize_together(vec![x]);
+        quantized.pop().expect("one tensor in, one out")
+    }
+
+    /// [`quantize`](Self::quantize) of `xs` as one tensor (as their concatenation would be):
+    /// one update of the range, by the batch range of them all, and every tensor quantized
+    /// over the same range.
+    pub(crate) fn quantize_together<const D: usize>(
+        &self,
+        xs: Vec<Tensor<B, D>>,
+    ) -> Vec<Tensor<B, D>> {
+        let device = xs[0].device();
+        let batch = batch_range(&xs, self.rule.symmetric, false);
         let biased = self
             .biased
             .value_sync()
@@ -147,33 +159,46 @@ impl<B: Backend> ActivationRange<B> {
         let range = biased.clone() / debias;
         self.biased.update(biased.detach());
         self.updates.update(updates.detach());
-        if self.rule.active {
-            fake_quantize(x, range, false)
-        } else {
-            x
+        if !self.rule.active {
+            return xs;
         }
+        xs.into_iter()
+            .map(|x| fake_quantize(x, range.clone(), false))
+            .collect()
     }
 }
 
-/// The learned output ranges of the predictor heads, one per feature map.
+/// The learned output ranges of the predictor heads: one for the six box-code heads and one
+/// for the six class-logit heads, as the int8 file needs them (TFLite's int8 `CONCATENATION`
+/// takes inputs on its output's grid), so that the exported heads are on the grid they were
+/// trained on. (TF1's rewrite gives each head a range of its own, which the converter must
+/// then bring onto one.)
 #[derive(Module, Debug)]
 pub struct HeadRanges<B: Backend> {
     /// The box-code heads'.
-    pub boxes: Vec<ActivationRange<B>>,
+    pub boxes: ActivationRange<B>,
     /// The class-logit heads'.
-    pub classes: Vec<ActivationRange<B>>,
+    pub classes: ActivationRange<B>,
 }
 
-/// A predictor head's training output with fake-quantized weights and its output range
-/// learned and fake-quantized (TF quantizes the BiasAdd of a layer without activation).
-pub(crate) fn quantized_head<B: SsdBackend>(
-    conv: &Conv2d<B>,
+/// The predictor heads' training outputs (`convs` on `maps`, one each) with fake-quantized
+/// weights, their output range learned over all of them and fake-quantized (TF quantizes the
+/// BiasAdd of a layer without activation).
+pub(crate) fn quantized_heads<B: SsdBackend>(
+    convs: &[Conv2d<B>],
     range: &ActivationRange<B>,
-    x: Tensor<B, 4>,
-) -> Tensor<B, 4> {
-    let weight = range.rule.weights(conv.weight.val());
-    let bias = conv.bias.as_ref().map(|b| b.val());
-    range.quantize(conv_same(x, weight, bias, conv.stride[0], false))
+    maps: &[Tensor<B, 4>],
+) -> Vec<Tensor<B, 4>> {
+    let outputs = convs
+        .iter()
+        .zip(maps)
+        .map(|(conv, x)| {
+            let weight = range.rule.weights(conv.weight.val());
+            let bias = conv.bias.as_ref().map(|b| b.val());
+            conv_same(x.clone(), weight, bias, conv.stride[0], false)
+        })
+        .collect();
+    range.quantize_together(outputs)
 }
 
 /// `state`'s value with the pending update of every thread applied (a forward pass may run
@@ -182,15 +207,21 @@ fn synced<B: Backend, const D: usize>(state: &RunningState<Tensor<B, D>>) -> Ten
     state.clone().into_record().val()
 }
 
-/// `[min, max]` of `x` (no gradient), widened as `quant_ops` widens a batch range: to include
-/// 0, or symmetric around it.
+/// `[min, max]` over the tensors `xs` (no gradient), widened as `quant_ops` widens a batch
+/// range: to include 0, or symmetric around it.
 fn batch_range<B: Backend, const D: usize>(
-    x: &Tensor<B, D>,
+    xs: &[Tensor<B, D>],
     symmetric: bool,
     narrow: bool,
 ) -> Tensor<B, 1> {
-    let x = x.clone().detach();
-    let (low, high) = (x.clone().min(), x.max());
+    let (low, high) = xs
+        .iter()
+        .map(|x| {
+            let x = x.clone().detach();
+            (x.clone().min(), x.max())
+        })
+        .reduce(|(l1, h1), (l2, h2)| (l1.min_pair(l2), h1.max_pair(h2)))
+        .expect("at least one tensor");
     let (low, high) = if symmetric {
         let codes = (1u32 << BITS) as f32;
         let ratio = if narrow { -1.0 } else { -(codes - 2.0) / codes };
@@ -457,11 +488,73 @@ mod tests {
         }
     }
 
-    /// A network in quantization-aware training, quantization in effect: every head's output
-    /// takes at most 256 values (one per code), every range is learned, and every kernel
-    /// gets a gradient through the straight-through estimator.
+    /// The folded unit's gradients are TF1's: `contrib/quantize` registers its own gradient
+    /// for the batch mean and variance of a folded BatchNorm (`FoldFusedBatchNormGrad`), so the
+    /// loss reaches the kernel through the batch statistics. The numbers come from TF 2.21
+    /// running TF1's rule (`scripts/tf-fixtures/fold_gradients.py`, delay not reached, 1x1
+    /// convolution); with the statistics' gradient stopped the kernel's would be
+    /// `[[10.9533, -11.7087], [-3.56487, 4.37507]]`.
     #[test]
-    fn quantized_network_outputs_codes_and_trains() {
+    fn folded_unit_gradients_are_tf1s() {
+        use crate::config::BatchNormConfig;
+        use crate::layers::ConvSpec;
+        use burn::module::Param;
+        use rand::SeedableRng;
+        let device = Default::default();
+        let spec = ConvSpec {
+            in_channels: 2,
+            out_channels: 2,
+            kernel: 1,
+            stride: 1,
+            depthwise: false,
+            bias: false,
+            init_stddev: 0.5,
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut unit = ConvBnRelu6::<A>::new(spec, &BatchNormConfig::default(), &mut rng, &device);
+        let t1 = |v: Vec<f32>| Tensor::<A, 1>::from_data(TensorData::new(v, [2]), &device);
+        let t4 = |v: Vec<f32>, shape: [usize; 4]| {
+            Tensor::<A, 4>::from_data(TensorData::new(v, shape), &device)
+        };
+        unit.conv.weight = Param::from_tensor(t4(vec![0.5, -0.3, 0.2, 0.8], [2, 2, 1, 1]));
+        unit.bn.gamma = Param::from_tensor(t1(vec![1.2, 0.7]));
+        unit.bn.beta = Param::from_tensor(t1(vec![0.1, -0.2]));
+        unit.bn
+            .set_moving_stats(t1(vec![0.1, 0.3]), t1(vec![2.5, 3.2]));
+        let rule = FakeQuant {
+            symmetric: false,
+            active: false,
+        };
+        unit.quant = Some(ActivationRange::new(rule, &device));
+        let x: Vec<f32> = (0..36)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        let y = unit.forward(t4(x, [2, 2, 3, 3]));
+        let weights: Vec<f32> = (0..36).map(|i| (i % 5) as f32 - 1.5).collect();
+        let grads = (y * t4(weights, [2, 2, 3, 3])).sum().backward();
+        let kernel = values(Tensor::<A, 4>::from_inner(
+            unit.conv.weight.grad(&grads).unwrap(),
+        ));
+        let grad = |p: &Param<Tensor<A, 1>>| values(Tensor::from_inner(p.grad(&grads).unwrap()));
+        let close = |got: &[f32], want: &[f32]| {
+            got.iter()
+                .zip(want)
+                .all(|(g, w)| (g - w).abs() <= 1e-5 * w.abs().max(1.0))
+        };
+        // TF's [o][c]: the kernel's [out, in, 1, 1]
+        let tf_kernel = [-0.992828, -1.71792, -1.97722, 0.505271];
+        assert!(close(&kernel, &tf_kernel), "{kernel:?}");
+        let gamma = grad(&unit.bn.gamma);
+        assert!(close(&gamma, &[7.32494, 4.77373]), "{gamma:?}");
+        assert_eq!(grad(&unit.bn.beta), vec![7.5, 5.5]);
+    }
+
+    /// A network in quantization-aware training, quantization in effect: the six class heads'
+    /// outputs together take at most 256 values (one grid, as the int8 file's concatenation
+    /// needs), every range is learned, and every kernel gets a gradient through the
+    /// straight-through estimator.
+    #[test]
+    fn quantized_network_outputs_codes_on_one_grid_and_trains() {
         use crate::config::{QuantizationConfig, SsdConfig};
         let device = Default::default();
         let config = SsdConfig {
@@ -479,13 +572,13 @@ mod tests {
         let x = Tensor::<A, 4>::from_data(TensorData::new(input, [2, 3, 64, 64]), &device);
         let maps = net.feature_maps(x.clone());
         let heads = net.head_ranges.as_ref().unwrap();
-        for (i, map) in maps.iter().enumerate() {
-            let out = quantized_head(&net.class_heads[i], &heads.classes[i], map.clone());
-            let mut v = values(out);
-            v.sort_by(f32::total_cmp);
-            v.dedup();
-            assert!(v.len() <= 256, "head {i}: {} distinct values", v.len());
-        }
+        let outputs = quantized_heads(&net.class_heads, &heads.classes, &maps);
+        assert_eq!(outputs.len(), 6);
+        let mut v: Vec<f32> = outputs.into_iter().flat_map(values).collect();
+        v.sort_by(f32::total_cmp);
+        v.dedup();
+        assert!(v.len() <= 256, "six heads: {} distinct values", v.len());
+        assert!(v.len() > 6, "{v:?}");
         let predictions = net.forward(x);
         let total = predictions.class_logits.sum() + predictions.box_encodings.sum();
         let grads = total.backward();

@@ -13,7 +13,7 @@ use crate::box_coder::BoxCoder;
 use crate::boxes::BBox;
 use crate::config::SsdConfig;
 use crate::error::Result;
-use crate::fake_quant::{ActivationRange, FakeQuant, HeadRanges, quantized_head};
+use crate::fake_quant::{ActivationRange, FakeQuant, HeadRanges, quantized_heads};
 use crate::layers::{BatchNorm, ConvBnRelu6, ConvSpec, apply_conv};
 use crate::mobilenet::{MobileNetV1, SEPARABLE_BLOCKS};
 use crate::ops::{SsdBackend, channels_last};
@@ -176,41 +176,36 @@ impl<B: SsdBackend> Ssd<B> {
     pub fn forward(&self, images: Tensor<B, 4>) -> Predictions<B> {
         B::on_compute_thread(|| {
             let maps = self.feature_maps(images);
-            let mut boxes = Vec::with_capacity(maps.len());
-            let mut classes = Vec::with_capacity(maps.len());
-            let heads = self.box_heads.iter().zip(&self.class_heads);
-            for (i, (map, (box_head, class_head))) in maps.iter().zip(heads).enumerate() {
-                boxes.push(flatten_head(
-                    self.head_output(box_head, map.clone(), |r| &r.boxes[i]),
-                    BoxCoder::CODE_SIZE,
-                ));
-                classes.push(flatten_head(
-                    self.head_output(class_head, map.clone(), |r| &r.classes[i]),
-                    self.num_classes + 1,
-                ));
-            }
+            let boxes = self.head_outputs(&self.box_heads, &maps, |r| &r.boxes);
+            let classes = self.head_outputs(&self.class_heads, &maps, |r| &r.classes);
+            let flatten = |outputs: Vec<Tensor<B, 4>>, k: usize| {
+                let flat = outputs.into_iter().map(|x| flatten_head(x, k)).collect();
+                Tensor::cat(flat, 1)
+            };
             Predictions {
-                box_encodings: Tensor::cat(boxes, 1),
-                class_logits: Tensor::cat(classes, 1),
+                box_encodings: flatten(boxes, BoxCoder::CODE_SIZE),
+                class_logits: flatten(classes, self.num_classes + 1),
             }
         })
     }
-}
 
-impl<B: SsdBackend> Ssd<B> {
-    /// A head's output on `map`: fake-quantized in quantization-aware training (`range` picks
-    /// the head's range), the plain convolution otherwise.
-    fn head_output(
+    /// The outputs of `heads` on `maps` (one each): fake-quantized over their shared range in
+    /// quantization-aware training (`range` picks it), the plain convolutions otherwise.
+    fn head_outputs(
         &self,
-        head: &Conv2d<B>,
-        map: Tensor<B, 4>,
+        heads: &[Conv2d<B>],
+        maps: &[Tensor<B, 4>],
         range: impl Fn(&HeadRanges<B>) -> &ActivationRange<B>,
-    ) -> Tensor<B, 4> {
+    ) -> Vec<Tensor<B, 4>> {
         match &self.head_ranges {
-            Some(ranges) if B::ad_enabled(&map.device()) => {
-                quantized_head(head, range(ranges), map)
+            Some(ranges) if B::ad_enabled(&maps[0].device()) => {
+                quantized_heads(heads, range(ranges), maps)
             }
-            _ => apply_conv(head, map),
+            _ => heads
+                .iter()
+                .zip(maps)
+                .map(|(head, map)| apply_conv(head, map.clone()))
+                .collect(),
         }
     }
 }
@@ -221,15 +216,15 @@ impl<B: Backend> Ssd<B> {
         for unit in self.conv_units_mut() {
             unit.quant = Some(ActivationRange::new(rule, device));
         }
-        let heads = |n: usize| (0..n).map(|_| ActivationRange::new(rule, device)).collect();
         self.head_ranges = Some(HeadRanges {
-            boxes: heads(self.box_heads.len()),
-            classes: heads(self.class_heads.len()),
+            boxes: ActivationRange::new(rule, device),
+            classes: ActivationRange::new(rule, device),
         });
     }
 
-    /// Whether the fake quantization of quantization-aware training takes effect (from step
-    /// `delay` on); the ranges are learned either way. Nothing happens to a float network.
+    /// Whether the fake quantization of quantization-aware training takes effect
+    /// ([`QuantizationConfig::active_at`](crate::config::QuantizationConfig::active_at)); the
+    /// ranges are learned either way. Nothing happens to a float network.
     pub fn set_fake_quant_active(&mut self, active: bool) {
         for unit in self.conv_units_mut() {
             if let Some(range) = &mut unit.quant {
@@ -237,24 +232,20 @@ impl<B: Backend> Ssd<B> {
             }
         }
         if let Some(heads) = &mut self.head_ranges {
-            for range in heads.boxes.iter_mut().chain(&mut heads.classes) {
-                range.rule.active = active;
-            }
+            heads.boxes.rule.active = active;
+            heads.classes.rule.active = active;
         }
     }
 
     /// Every learned activation range, units first (`Conv2d_0`, the separable blocks, the extra
-    /// layers, as the network runs them), then the box-code heads', then the class-logit
-    /// heads'; empty for a float network.
+    /// layers, as the network runs them), then the box-code heads' one, then the class-logit
+    /// heads' one; empty for a float network.
     pub fn activation_ranges(&self) -> Vec<&ActivationRange<B>> {
         let units = self
             .conv_units()
             .into_iter()
             .filter_map(|u| u.quant.as_ref());
-        let heads = self
-            .head_ranges
-            .iter()
-            .flat_map(|h| h.boxes.iter().chain(&h.classes));
+        let heads = self.head_ranges.iter().flat_map(|h| [&h.boxes, &h.classes]);
         units.chain(heads).collect()
     }
 

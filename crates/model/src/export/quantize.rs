@@ -62,6 +62,8 @@ pub struct Calibration {
     box_codes: Range,
     class_logits: Range,
     images: usize,
+    /// Ranges learned in quantization-aware training, whose grid the file keeps.
+    learned: bool,
 }
 
 impl Default for Calibration {
@@ -71,6 +73,7 @@ impl Default for Calibration {
             box_codes: Range::EMPTY,
             class_logits: Range::EMPTY,
             images: 0,
+            learned: false,
         }
     }
 }
@@ -121,18 +124,12 @@ impl Calibration {
     }
 
     /// The ranges quantization-aware training learned for `model`: each unit's output range,
-    /// the box-code heads' together and the class-logit heads' together (their reshapes and
+    /// the box-code heads' and the class-logit heads' (one each, as their reshapes and
     /// concatenation share one range). `None` for a float network or one whose ranges were
     /// never trained.
     pub fn learned<B: Backend>(model: &Ssd<B>) -> Option<Calibration> {
         let heads = model.head_ranges.as_ref()?;
         let range = |r: &ActivationRange<B>| r.learned().map(|[min, max]| Range { min, max });
-        let union = |ranges: &[ActivationRange<B>]| {
-            ranges
-                .iter()
-                .map(range)
-                .try_fold(Range::EMPTY, |all, r| Some(all.union(r?)))
-        };
         let trunk = model
             .conv_units()
             .into_iter()
@@ -140,9 +137,10 @@ impl Calibration {
             .collect::<Option<Vec<_>>>()?;
         Some(Calibration {
             trunk,
-            box_codes: union(&heads.boxes)?,
-            class_logits: union(&heads.classes)?,
+            box_codes: range(&heads.boxes)?,
+            class_logits: range(&heads.classes)?,
             images: 0,
+            learned: true,
         })
     }
 
@@ -159,10 +157,14 @@ impl Calibration {
                 "no calibration image was observed".into(),
             ));
         }
+        let affine = match self.learned {
+            true => Affine::of_training_range,
+            false => Affine::of_range,
+        };
         Ok(Activations {
-            trunk: self.trunk.iter().map(|&r| Affine::of_range(r)).collect(),
-            box_codes: Affine::of_range(self.box_codes),
-            class_logits: Affine::of_range(self.class_logits),
+            trunk: self.trunk.iter().map(|&r| affine(r)).collect(),
+            box_codes: affine(self.box_codes),
+            class_logits: affine(self.class_logits),
         })
     }
 }
@@ -190,12 +192,24 @@ impl Affine {
         zero_point: -128,
     };
 
-    /// The parameters spreading `range`, widened to include 0, over `[-128, 127]`, with 0
-    /// exactly representable (the zero point is an integer, rounded as TFLite's converter
-    /// rounds it). A range of (almost) one value, which calibration can give a layer that
-    /// outputs only zeros, is widened to `[0, 1]` to keep the rescale factors of the kernels
-    /// bounded.
+    /// The parameters spreading a calibrated `range`, widened to include 0, over
+    /// `[-128, 127]`, with 0 exactly representable: the zero point rounded in int8, half away
+    /// from zero, as TFLite's converter rounds it. A range of (almost) one value, which
+    /// calibration can give a layer that outputs only zeros, is widened to `[0, 1]` to keep
+    /// the rescale factors of the kernels bounded.
     pub fn of_range(range: Range) -> Affine {
+        Self::spread(range, |steps_below_zero| (steps_below_zero - 128.0).round())
+    }
+
+    /// The parameters of the grid quantization-aware training used for a learned `range`:
+    /// `FakeQuantWithMinMaxVars` nudges the zero point in `[0, 255]` (a zero point of 2.5
+    /// becomes 3, 3 - 128 = -125 in int8, where [`of_range`](Self::of_range) gives -126).
+    pub fn of_training_range(range: Range) -> Affine {
+        Self::spread(range, |steps_below_zero| steps_below_zero.round() - 128.0)
+    }
+
+    /// `range` over 255 steps, the zero point from the steps between its minimum and 0.
+    fn spread(range: Range, zero_point: impl Fn(f32) -> f32) -> Affine {
         let (min, max) = (range.min.min(0.0), range.max.max(0.0));
         let (min, max) = if max - min < 1e-6 {
             (0.0, 1.0)
@@ -203,7 +217,7 @@ impl Affine {
             (min, max)
         };
         let scale = (max - min) / 255.0;
-        let zero_point = (-128.0 - min / scale).round().clamp(-128.0, 127.0) as i32;
+        let zero_point = zero_point(-min / scale).clamp(-128.0, 127.0) as i32;
         Affine { scale, zero_point }
     }
 
@@ -225,40 +239,59 @@ pub(crate) struct Activations {
     pub class_logits: Affine,
 }
 
-/// A kernel quantized per channel: the codes (in the kernel's layout) and each channel's
-/// scale.
+/// A convolution's kernel quantized per channel (the codes, in the kernel's layout, and each
+/// channel's scale) and its bias in int32 at the input's scale times each weight scale.
 pub(crate) struct ChannelQuantized {
     pub codes: Vec<i8>,
     pub scales: Vec<f32>,
+    pub bias: Vec<i32>,
 }
 
-/// Quantizes `kernel` symmetrically per channel into `[-127, 127]`; `channel_of(i)` is the
-/// channel of element `i`. A channel of zeros gets scale 1 (any positive scale codes it).
+/// Quantizes `kernel` symmetrically per channel into `[-127, 127]` (`channel_of(i)` is the
+/// channel of element `i`; a channel of zeros gets scale 1) and `bias` for an input of scale
+/// `input_scale`. A bias that would take half the int32 range or more widens its channel's
+/// weight scale until it takes half, as TFLite's converter does (`AdjustWeightsForBiasScale`):
+/// coarser weights rather than a clamped bias, which would shift every output of the channel.
 pub(crate) fn quantize_per_channel(
     kernel: &[f32],
-    channels: usize,
     channel_of: impl Fn(usize) -> usize,
+    bias: &[f32],
+    input_scale: f32,
 ) -> ChannelQuantized {
-    let mut largest = vec![0.0f32; channels];
+    let mut largest = vec![0.0f32; bias.len()];
     for (i, w) in kernel.iter().enumerate() {
         let c = channel_of(i);
         largest[c] = largest[c].max(w.abs());
     }
+    let half_of_int32 = 0.5 * f64::from(i32::MAX);
     let scales: Vec<f32> = largest
         .iter()
-        .map(|&m| if m > 0.0 { m / 127.0 } else { 1.0 })
+        .zip(bias)
+        .map(|(&m, &b)| {
+            let scale = if m > 0.0 { m / 127.0 } else { 1.0 };
+            let bias_codes = f64::from(b.abs()) / f64::from(input_scale * scale);
+            match bias_codes >= half_of_int32 {
+                true => (f64::from(b.abs()) / (half_of_int32 * f64::from(input_scale))) as f32,
+                false => scale,
+            }
+        })
         .collect();
     let codes = kernel
         .iter()
         .enumerate()
         .map(|(i, w)| (w / scales[channel_of(i)]).round().clamp(-127.0, 127.0) as i8)
         .collect();
-    ChannelQuantized { codes, scales }
+    let bias = quantize_bias(bias, input_scale, &scales);
+    ChannelQuantized {
+        codes,
+        scales,
+        bias,
+    }
 }
 
 /// The int32 bias codes of a layer whose input has scale `input_scale` and whose weights have
 /// the per-channel `weight_scales`: at the scales [`bias_scales`] gives.
-pub(crate) fn quantize_bias(bias: &[f32], input_scale: f32, weight_scales: &[f32]) -> Vec<i32> {
+fn quantize_bias(bias: &[f32], input_scale: f32, weight_scales: &[f32]) -> Vec<i32> {
     bias.iter()
         .zip(bias_scales(input_scale, weight_scales))
         .map(|(b, scale)| {
@@ -303,6 +336,35 @@ mod tests {
         assert!(flat.scale > 0.0 && flat.scale.is_finite());
     }
 
+    /// A learned range whose zero point falls at 2.5 steps: the file's largest code is the
+    /// largest value training's fake quantization gives (TF's nudge, zero point 3 of 255).
+    #[test]
+    fn learned_ranges_keep_the_training_grid() {
+        use crate::fake_quant::{ActivationRange, FakeQuant};
+        use burn::backend::Flex;
+        use burn::tensor::{Tensor, TensorData};
+        let range = Range {
+            min: -1.25,
+            max: 126.25,
+        };
+        let rule = FakeQuant {
+            symmetric: false,
+            active: true,
+        };
+        let device = Default::default();
+        let learned = ActivationRange::<Flex>::new(rule, &device);
+        let batch =
+            Tensor::<Flex, 1>::from_data(TensorData::new(vec![-1.25, 126.25], [2]), &device);
+        let out = learned.quantize(batch).into_data().to_vec::<f32>().unwrap();
+        let trained = Affine::of_training_range(range);
+        assert_eq!((trained.scale, trained.zero_point), (0.5, -125));
+        let largest = trained.scale * (127 - trained.zero_point) as f32;
+        assert_eq!(out[1], largest);
+        assert_eq!(out[1], 126.0);
+        // calibrated ranges round as the converter does, one code lower here
+        assert_eq!(Affine::of_range(range).zero_point, -126);
+    }
+
     #[test]
     fn the_input_contract_maps_pixels_within_half_a_step() {
         for p in 0u8..=255 {
@@ -317,16 +379,28 @@ mod tests {
     fn weights_are_symmetric_per_channel() {
         // two channels interleaved (channel = i % 2), as in a depthwise kernel
         let kernel = [0.5, -4.0, -1.0, 2.0, 0.25, 0.0];
-        let q = quantize_per_channel(&kernel, 2, |i| i % 2);
+        let q = quantize_per_channel(&kernel, |i| i % 2, &[1.0, -0.5], 0.5);
         assert_eq!(q.scales, vec![1.0 / 127.0, 4.0 / 127.0]);
         assert_eq!(q.codes, vec![64, -127, -127, 64, 32, 0]);
-        let zeros = quantize_per_channel(&[0.0; 3], 1, |_| 0);
+        // the bias at input scale times weight scale: 1 / (0.5 / 127), -0.5 / (0.5 * 4 / 127)
+        assert_eq!(q.bias, vec![254, -32]);
+        let zeros = quantize_per_channel(&[0.0; 3], |_| 0, &[0.0], 1.0);
         assert_eq!((zeros.codes, zeros.scales), (vec![0; 3], vec![1.0]));
     }
 
+    /// A bias of 1e9 at input scale 0.5 and weight scale 1/127 would need 2.5e11 codes: the
+    /// weight scale widens to 2 * 1e9 / (0.5 * (2^31 - 1)) and the bias takes half the int32
+    /// range (TFLite's rule); the other channel keeps its scale.
     #[test]
-    fn bias_scale_is_input_scale_times_weight_scale() {
-        let codes = quantize_bias(&[1.0, -0.5, 1e9], 0.5, &[0.01, 0.1, 1e-6]);
-        assert_eq!(codes, vec![200, -10, i32::MAX]);
+    fn a_bias_beyond_int32_widens_its_weight_scale() {
+        let q = quantize_per_channel(&[1.0, 1.0], |i| i, &[1e9, 1.0], 0.5);
+        let widened = (2e9 / (0.5 * f64::from(i32::MAX))) as f32;
+        assert_eq!(q.scales, vec![widened, 1.0 / 127.0]);
+        assert_eq!(q.codes, vec![1, 127]);
+        let half = f64::from(i32::MAX) / 2.0;
+        assert!((f64::from(q.bias[0]) - half).abs() <= 1.0, "{}", q.bias[0]);
+        assert_eq!(q.bias[1], 254);
+        let real = f64::from(q.bias[0]) * f64::from(0.5 * widened);
+        assert!((real - 1e9).abs() <= 1e-6 * 1e9, "{real}");
     }
 }

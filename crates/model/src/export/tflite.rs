@@ -33,7 +33,7 @@ use crate::config::SsdConfig;
 use crate::error::{ModelError, Result};
 use crate::export::network::{FrozenConv, FrozenNetwork};
 use crate::export::quantize::{
-    Activations, Affine, Calibration, bias_scales, quantize_bias, quantize_per_channel,
+    Activations, Affine, Calibration, bias_scales, quantize_per_channel,
 };
 use crate::ops::SsdBackend;
 use crate::ssd::Ssd;
@@ -439,15 +439,16 @@ impl Graph {
 
     /// `conv`'s kernel in int8, per output channel: dimension 0 of `CONV_2D`'s
     /// `[out, k, k, in]`, dimension 3 of `DEPTHWISE_CONV_2D`'s `[1, k, k, channels]`; and its
-    /// bias in int32 at `input_scale` times each channel's weight scale.
+    /// bias in int32 at `input_scale` times each channel's weight scale (a bias beyond the
+    /// int32 codes widens its channel's weight scale).
     fn int8_weights(&mut self, conv: &FrozenConv, input_scale: f32) -> (i32, i32) {
         let (kernel, shape) = channels_last_kernel(conv);
         let channels = conv.out_channels();
         let per_channel = kernel.len() / channels;
         let q = if conv.depthwise {
-            quantize_per_channel(&kernel, channels, |i| i % channels)
+            quantize_per_channel(&kernel, |i| i % channels, &conv.bias, input_scale)
         } else {
-            quantize_per_channel(&kernel, channels, |i| i / per_channel)
+            quantize_per_channel(&kernel, |i| i / per_channel, &conv.bias, input_scale)
         };
         let axis = if conv.depthwise { 3 } else { 0 };
         let kernel = self.constant(
@@ -456,12 +457,11 @@ impl Graph {
             Elem::per_axis(INT8, q.scales.clone(), axis),
             q.codes.iter().map(|&c| c as u8).collect(),
         );
-        let codes = quantize_bias(&conv.bias, input_scale, &q.scales);
         let bias = self.constant(
             format!("{}/bias", conv.name),
             vec![channels as i32],
             Elem::per_axis(INT32, bias_scales(input_scale, &q.scales), 0),
-            codes.iter().flat_map(|c| c.to_le_bytes()).collect(),
+            q.bias.iter().flat_map(|c| c.to_le_bytes()).collect(),
         );
         (kernel, bias)
     }

@@ -169,7 +169,7 @@ impl<B: SsdBackend> Replica<B> {
         read: Reading,
     ) -> StepResult<B> {
         if let (Some(q), Some(model)) = (&self.config.model.quantization, self.model.as_mut()) {
-            model.set_fake_quant_active(step >= q.delay);
+            model.set_fake_quant_active(q.active_at(step));
         }
         let (grads, tail) = self.gradients(batch, read);
         let averaged = self.average(grads, tail)?;
