@@ -2,7 +2,7 @@
 //! it enters: records read by the loader (and evaluation: both use `read_checked`), VOC /
 //! Oxford-IIIT Pet folders read by `prepare_voc`, and the shard sets `prepare-data` writes.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

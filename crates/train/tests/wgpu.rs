@@ -6,7 +6,7 @@
 //! pass, unless `WGPU_TESTS_REQUIRED=1` (CI sets it).
 #![cfg(feature = "wgpu")]
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
