@@ -108,6 +108,17 @@ pub struct EvalObject {
     pub area: Option<f32>,
 }
 
+impl EvalObject {
+    /// The objects among `all` that are crowd regions (`crowd`), or those that are not (what
+    /// training sees).
+    pub fn objects(all: &[EvalObject], crowd: bool) -> Vec<Object> {
+        all.iter()
+            .filter(|o| o.crowd == crowd)
+            .map(|o| o.object.clone())
+            .collect()
+    }
+}
+
 /// A detection training example with the API's keys.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DetectionExample {
@@ -377,11 +388,7 @@ impl DetectionExample {
                 area: areas.get(i).copied(),
             })
             .collect();
-        let objects = all
-            .iter()
-            .filter(|o| !o.crowd)
-            .map(|o| o.object.clone())
-            .collect();
+        let objects = EvalObject::objects(&all, false);
         let example = Self {
             encoded,
             format: string("image/format")?,

@@ -13,8 +13,9 @@
 //! - **Weights** (`LastValueQuantize`, `narrow_range`): per tensor, over the range of the
 //!   folded weights of the step, widened to include 0, in `[1, 2^bits - 1]`.
 //! - **Activations** (`MovingAvgQuantize`): after each unit's ReLU6 and after the bias of each
-//!   predictor head (the layers without an activation); the range of each batch, widened to
-//!   include 0, averaged with decay 0.999 by `assign_moving_average`, which debiases
+//!   predictor head (the layers without an activation; unlike TF1, the six heads of a kind
+//!   share one range, the int8 file's grid: see [`HeadRanges`]); the range of each batch,
+//!   widened to include 0, averaged with decay 0.999 by `assign_moving_average`, which debiases
 //!   (`zero_debias`): after `t` updates the range is `biased / (1 - 0.999^t)`, so the first
 //!   batch's range is taken as it is. Codes `[0, 2^bits - 1]`. The range includes the batch
 //!   it quantizes (the fake quantization reads the assigned value).

@@ -211,7 +211,8 @@ impl<B: SsdBackend> Ssd<B> {
 }
 
 impl<B: Backend> Ssd<B> {
-    /// Gives every unit and head a learned output range for quantization-aware training.
+    /// Gives every unit a learned output range for quantization-aware training, and each kind
+    /// of head one.
     fn add_activation_ranges(&mut self, rule: FakeQuant, device: &B::Device) {
         for unit in self.conv_units_mut() {
             unit.quant = Some(ActivationRange::new(rule, device));

@@ -983,7 +983,7 @@ fn trains_on_shards_prepared_from_a_coco_file() {
 
 /// Quantization-aware training on two replicas, the quantization in effect from step 1: the
 /// run's checkpoints (each compares the replicas' weights and states byte for byte) hold one
-/// learned range per unit and head, updated once a step, and `train export --quantize int8`
+/// learned range per unit and per kind of head, updated once a step, and `train export --quantize int8`
 /// takes them without calibration records.
 #[test]
 fn quantization_aware_training_shares_its_ranges_and_exports_them() {

@@ -82,11 +82,7 @@ pub(crate) fn image_record(
         filename: image.file_name.clone(),
         // as the API's create_coco_tf_record.py writes it
         source_id: image.id.to_string(),
-        objects: objects
-            .iter()
-            .filter(|o| !o.crowd)
-            .map(|o| o.object.clone())
-            .collect(),
+        objects: EvalObject::objects(&objects, false),
     };
     let num_classes = categories.num_classes() as usize;
     check_objects(&example, Some(num_classes))?;

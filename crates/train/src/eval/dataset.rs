@@ -104,11 +104,7 @@ fn eval_objects(index: &RecordIndex, i: usize, num_classes: usize) -> Result<Vec
     let (_, objects) =
         DetectionExample::decode_with(&index.read(i)?).map_err(|e| at_record(e.to_string()))?;
     let crowds = DetectionExample {
-        objects: objects
-            .iter()
-            .filter(|o| o.crowd)
-            .map(|o| o.object.clone())
-            .collect(),
+        objects: EvalObject::objects(&objects, true),
         ..Default::default()
     };
     check_objects(&crowds, Some(num_classes))

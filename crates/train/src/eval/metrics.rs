@@ -8,7 +8,9 @@
 //! truth's area range read from its `area` (a mask's, in COCO's own files), a detection's
 //! from its box; the IoU and recall thresholds numpy's `linspace` values; the images visited
 //! in the order of their ids, so that detections of equal score rank in that order (a stable
-//! sort, as pycocotools' mergesort); the means summed pairwise, as numpy sums.
+//! sort, as pycocotools' mergesort); the means summed pairwise, as numpy sums. Not followed:
+//! pycocotools never counts a match to an annotation of id 0 as a true positive (it records
+//! matches by annotation id, 0 meaning none); here every annotation matches alike.
 
 use std::collections::BTreeMap;
 

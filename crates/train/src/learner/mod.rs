@@ -128,7 +128,7 @@ pub fn train<B: SsdBackend>(
     if let Some(q) = &config.model.quantization {
         log.say(format!(
             "quantization-aware training: activation ranges learned from the first step, 8-bit fake quantization from step {}{}",
-            q.delay,
+            q.delay.max(1),
             if q.symmetric { ", symmetric ranges" } else { "" }
         ));
     }

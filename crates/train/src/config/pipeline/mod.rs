@@ -123,7 +123,8 @@ fn read_graph_rewriter(top: &mut Section, model: &mut SsdConfig, report: &mut Re
         };
         report.notes.push(format!(
             "{}: quantization-aware training, fake quantization from step {}",
-            q.path, quantization.delay
+            q.path,
+            quantization.delay.max(1)
         ));
         q.finish(report);
         model.quantization = Some(quantization);
