@@ -249,41 +249,21 @@ def main():
     print("# folded weights w*gamma/sigma_mv as [o][c]:",
           [[lit(v) for v in r] for r in folded["w_fold"]])
 
-    print("\n// ---- folded unit, TF1 FoldFusedBatchNormGrad rule (float32) ----")
-    print("// loss =", lit(folded["loss"]))
-    print(rust("FOLD_BATCH_MEAN", folded["mean"]))
-    print(rust("FOLD_BATCH_VAR_BIASED", folded["var"]))
-    print(rust("FOLD_Y", folded["y"]))
-    print(rust("FOLD_DW", folded["dw"]))
-    print(rust("FOLD_DGAMMA", folded["dgamma"]))
-    print(rust("FOLD_DBETA", folded["dbeta"]))
-    print(rust("FOLD_DX", folded["dx"]))
-
-    print("\n// ---- (a) plain BN, biased batch moments (float32) ----")
-    print("// loss =", lit(plain["loss"]))
-    print(rust("PLAIN_Y", plain["y"]))
-    print(rust("PLAIN_DW", plain["dw"]))
-    print(rust("PLAIN_DGAMMA", plain["dgamma"]))
-    print(rust("PLAIN_DBETA", plain["dbeta"]))
-    print(rust("PLAIN_DX", plain["dx"]))
-
-    print("\n// ---- (a') plain BN in float64 (the exact math, for tolerances) ----")
-    print("// loss =", lit(plain64["loss"]))
-    print(rust("PLAIN64_MEAN", plain64["mean"]))
-    print(rust("PLAIN64_VAR_BIASED", plain64["var"]))
-    print(rust("PLAIN64_Y", plain64["y"]))
-    print(rust("PLAIN64_DW", plain64["dw"]))
-    print(rust("PLAIN64_DGAMMA", plain64["dgamma"]))
-    print(rust("PLAIN64_DBETA", plain64["dbeta"]))
-    print(rust("PLAIN64_DX", plain64["dx"]))
-
-    print("\n// ---- (b) folded unit, stop_gradient on batch mean/var (float32) ----")
-    print("// loss =", lit(stop["loss"]))
-    print(rust("STOPGRAD_Y", stop["y"]))
-    print(rust("STOPGRAD_DW", stop["dw"]))
-    print(rust("STOPGRAD_DGAMMA", stop["dgamma"]))
-    print(rust("STOPGRAD_DBETA", stop["dbeta"]))
-    print(rust("STOPGRAD_DX", stop["dx"]))
+    sections = [
+        ("folded unit, TF1 FoldFusedBatchNormGrad rule (float32)", "FOLD", folded,
+         [("BATCH_MEAN", "mean"), ("BATCH_VAR_BIASED", "var")]),
+        ("(a) plain BN, biased batch moments (float32)", "PLAIN", plain, []),
+        ("(a') plain BN in float64 (the exact math, for tolerances)", "PLAIN64",
+         plain64, [("MEAN", "mean"), ("VAR_BIASED", "var")]),
+        ("(b) folded unit, stop_gradient on batch mean/var (float32)", "STOPGRAD",
+         stop, []),
+    ]
+    for title, prefix, run, stats in sections:
+        print(f"\n// ---- {title} ----")
+        print("// loss =", lit(run["loss"]))
+        for name, key in stats + [(k.upper(), k) for k in
+                                  ("y", "dw", "dgamma", "dbeta", "dx")]:
+            print(rust(f"{prefix}_{name}", run[key]))
 
     print("\n# ---- comparisons (max abs difference) ----")
     for a_name, a, b_name, b in [("folded", folded, "plain", plain),
