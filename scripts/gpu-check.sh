@@ -3,20 +3,20 @@
 # nothing: run it from the repository root next to `train` and `xtask` binaries built
 # elsewhere (cargo build --release --workspace), e.g.
 #   BIN=./train XTASK=./xtask PEER_DIR=peer MPI_BIN=./train-mpi scripts/gpu-check.sh
-# Parts: an untimed warm-up that fills cubecl's kernel caches (compilation and autotune, kept
-# under $OUT/cubecl-cache); a synthetic run on device 0; the same on two wgpu devices of the
-# one GPU (`wgpu:0,1`: the multi-device path at GPU speed); with two or more CUDA GPUs
-# `--devices 0,1` by the default exchange and through the host; the bench's device-0 cases
-# (training and inference steps, and the depthwise filter gradients as trained against
-# Burn's grouped convolution); and, with PEER_DIR (a copy of ../shared/bench/peer/) and
-# torch installed, the PyTorch peer's step on the same GPU, TF32 stated; with Open MPI's
-# `mpirun` and MPI_BIN (a `train` built with MPI: cargo build --release -p train --features
-# mpi) two processes under mpirun (see mpi_part). The wgpu part runs last. Every part's
-# output goes to $OUT.
-# With empty caches the first CUDA step compiles every kernel with NVRTC, about 0.7 s each on
-# an H200: the synthetic config's first step had not finished after 455 s (2026-12-04), so
-# the warm-up is given 540 s and autotuning its minimal level (CUBECL_AUTOTUNE_LEVEL, fewer
-# candidates to compile); on a cold machine the whole check outlasts 15 minutes.
+# Parts: the start-up of the pets config at 24 images (300x300, 37 classes) with an empty
+# kernel cache and again with the cache it filled (`xtask launches`: kernels compiled, shapes
+# autotuned and seconds of the first training step and of a first inference pass, then the
+# launches and seconds of steady steps); a synthetic run on device 0; the same on two wgpu
+# devices of the one GPU (`wgpu:0,1`: the multi-device path at GPU speed); with two or more
+# CUDA GPUs `--devices 0,1` by the default exchange and through the host; the bench's
+# device-0 cases (training with the loader and with the batch in memory, inference, and the
+# depthwise filter gradients as trained against Burn's grouped convolution); and, with
+# PEER_DIR (a copy of ../shared/bench/peer/) and torch installed, the PyTorch peer's step on
+# the same GPU (fp32, TF32 stated, and bfloat16 AMP); with Open MPI's `mpirun` and MPI_BIN (a
+# `train` built with MPI: cargo build --release -p train --features mpi) two processes under
+# mpirun (see mpi_part). The wgpu part runs last. Every part's output goes to $OUT.
+# The kernel cache is $OUT/kernel-cache (SSD_BURN_KERNEL_CACHE), kept between calls where $OUT
+# survives; the cold start uses $OUT/cold-cache, emptied first.
 # Exits non-zero when a training part fails, or when two runs that must agree do not: the
 # exchange paths of `--devices 0,1` give losses within LOSS_RTOL (relative, default 1e-3) of
 # each other at every logged step, and so do the two processes under mpirun and the one
@@ -28,17 +28,9 @@ STEPS=${STEPS:-30}
 MPI_BIN=${MPI_BIN:-}
 OUT=${OUT:-gpu-check}
 LOSS_RTOL=${LOSS_RTOL:-1e-3}
-export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-# cubecl reads cubecl.toml from the working directory: compiled kernels and autotune results
-# are kept between the parts (and between calls, where $OUT survives)
-cat > cubecl.toml <<TOML
-[compilation]
-cache = { file = "$OUT/cubecl-cache" }
-[autotune]
-cache = { file = "$OUT/cubecl-cache" }
-TOML
+export SSD_BURN_KERNEL_CACHE="$OUT/kernel-cache"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 
@@ -69,8 +61,14 @@ sys.exit(0 if len(a) == len(b) and worst <= rtol else 1)
 PY
 }
 
-# warm-up, untimed: compiles every kernel of the synthetic and the pets model once
-train_part warm-up 540 --devices 0 --num-steps 3 --no-eval
+# the start-up, cold (an empty kernel cache) then warm (the cache the cold run filled)
+rm -rf "$OUT/cold-cache"
+for start in cold warm; do
+  echo "== start-up, $start" | tee -a "$OUT/startup.txt"
+  SSD_BURN_KERNEL_CACHE="$OUT/cold-cache" timeout 420 "$XTASK" launches --device 0 \
+    --configs configs/ssd_mobilenet_v1_pets.json --batch 24 --out "$OUT/launches-$start.json" \
+    2>&1 | tee -a "$OUT/startup.txt"
+done
 train_part synthetic-0 150 --devices 0 --num-steps "$STEPS"
 # without the toolkit's headers (as on a driver-only host) the run is refused at once,
 # naming what is missing, where cubecl would panic in its runner thread and hang
@@ -117,7 +115,7 @@ mpi_part() {
     train_part synthetic-00 90 --devices 0,0 --num-steps "$STEPS" --no-eval
   fi
   echo "== mpi-2 (expecting: $expect)" | tee -a "$OUT/train.txt"
-  if ! timeout 240 mpirun --allow-run-as-root --oversubscribe -np 2 -x CUBECL_AUTOTUNE_LEVEL \
+  if ! timeout 240 mpirun --allow-run-as-root --oversubscribe -np 2 -x SSD_BURN_KERNEL_CACHE \
     "$MPI_BIN" ${devices[@]+"${devices[@]}"} --num-steps "$STEPS" --no-eval --model-dir "$OUT/mpi-2" \
     >"$OUT/mpi-2.log" 2>&1; then
     tail -20 "$OUT/mpi-2.log" | tee -a "$OUT/train.txt"
@@ -137,13 +135,10 @@ mpi_part
 # batch in memory, inference at batch 1 (with and without NMS) and 8
 timeout 240 "$XTASK" bench --only="--devices 0" --repeats 5 --out "$OUT/bench.json" 2>&1 |
   tee "$OUT/bench.txt"
-# kernel launches per training step (synthetic and pets, 12 images) and per depthwise filter
-# gradient, as trained and by Burn's grouped convolution
-timeout 180 "$XTASK" launches --device 0 --batch 12 --out "$OUT/launches.json" 2>&1 |
-  tee "$OUT/launches.txt"
 if [ -n "${PEER_DIR:-}" ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
-  for tf32 in default off; do
-    timeout 120 python3 scripts/torch_gpu_step.py "$PEER_DIR" --batch 12 24 --tf32 "$tf32" |
+  for precision in "--tf32 default" "--tf32 off" "--amp"; do
+    # shellcheck disable=SC2086 # two words on purpose
+    timeout 120 python3 scripts/torch_gpu_step.py "$PEER_DIR" --batch 12 24 $precision |
       tee -a "$OUT/torch.txt"
   done
 fi

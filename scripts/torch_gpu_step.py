@@ -6,9 +6,10 @@ backward, RMSProp) on `cuda:0` at the given batch sizes, synchronising the GPU a
 step. The peer's target assignment indexes with host tensors, so it runs on the CPU, as the
 peer writes it, and its targets are copied to the GPU within the timed step. TF32 is stated:
 PyTorch's default is TF32 off for matrix products and on for cuDNN convolutions; `--tf32 off`
-turns both off (the precision of our float32 kernels).
+turns both off (the precision of our float32 kernels). `--amp` runs the forward pass and the
+loss under autocast to bfloat16 (mixed precision as users turn it on; no loss scaling needed).
 
-    python3 scripts/torch_gpu_step.py PEER_DIR [--batch 12 24] [--tf32 default|off]
+    python3 scripts/torch_gpu_step.py PEER_DIR [--batch 12 24] [--tf32 default|off] [--amp]
 
 Prints one JSON line.
 """
@@ -27,6 +28,7 @@ def main():
     parser.add_argument("--tf32", choices=["default", "off"], default="default")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--amp", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, args.peer_dir)
     import torch
@@ -55,8 +57,9 @@ def main():
             start = time.perf_counter()
             targets = peer.assign_targets(gt_boxes, gt_classes, gt_valid, anchors)
             class_t, box_t, positive = (t.to(device) for t in targets)
-            box_codes, logits = model(images)
-            cls_loss, loc_loss = peer.ssd_loss(box_codes, logits, class_t, box_t, positive)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp):
+                box_codes, logits = model(images)
+                cls_loss, loc_loss = peer.ssd_loss(box_codes, logits, class_t, box_t, positive)
             opt.zero_grad(set_to_none=True)
             (cls_loss + loc_loss).backward()
             opt.step()
@@ -70,6 +73,7 @@ def main():
         "torch": torch.__version__,
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "amp_bfloat16": args.amp,
         "results": results,
     }))
 

@@ -91,8 +91,11 @@ enum Command {
         #[arg(long)]
         wgpu: bool,
     },
-    /// Kernel launches on a GPU per training step (each config) and per depthwise layer's
-    /// backward pass (input and filter gradients), from cubecl's execution log.
+    /// What a GPU compiles, tunes and launches: for each config the kernels compiled and the
+    /// shapes autotuned by the first training step and a first inference pass (against the
+    /// kernel cache in use: point SSD_BURN_KERNEL_CACHE at an empty folder for a cold start,
+    /// at the same folder again for a warm one), the launches per training step, and per
+    /// depthwise layer's backward pass (input and filter gradients), from cubecl's logs.
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     Launches {
         /// `wgpu` (the default adapter) or a CUDA ordinal.
@@ -104,7 +107,8 @@ enum Command {
         /// Images per step.
         #[arg(long, default_value_t = 12)]
         batch: usize,
-        /// The JSON report; the execution log (each launch in order) goes beside it (`.log`).
+        /// The JSON report; cubecl's logs go beside it (`.log`: each launch in order,
+        /// `.compile.log`, `.autotune.log`).
         #[arg(long, default_value = "target/launches.json")]
         out: PathBuf,
     },
@@ -198,6 +202,11 @@ struct PrepareArgs {
 }
 
 fn main() -> Result<()> {
+    // SAFETY: the first thing `main` does: the process has one thread
+    #[cfg(feature = "cuda")]
+    unsafe {
+        train::devices::kernel_cache::point_driver_cache()
+    };
     train::allocator::keep_freed_memory();
     match Cli::parse().command {
         Command::PrepareData(args) => prepare(args),

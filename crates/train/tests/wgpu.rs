@@ -1,8 +1,9 @@
-//! The GPU code path on wgpu (Burn's generic operations with fusion and autotune; on Linux
-//! Vulkan, in CI Mesa's software driver lavapipe): four wgpu devices train like four CPU
+//! The GPU code path on wgpu (Burn's generic operations with fusion, SPIR-V on Vulkan; on
+//! Linux in CI Mesa's software driver lavapipe): four wgpu devices train like four CPU
 //! replicas and stay bit-identical, a checkpoint moves between wgpu and the CPU, fusion
-//! changes results by rounding at most, and `train detect` on wgpu gives the CPU's
-//! detections. Without a wgpu adapter the tests say so and
+//! changes results by rounding at most, `train detect` on wgpu gives the CPU's detections,
+//! and a second training process compiles no kernel (the kernel cache). Without a wgpu
+//! adapter the tests say so and
 //! pass, unless `WGPU_TESTS_REQUIRED=1` (CI sets it).
 #![cfg(feature = "wgpu")]
 
@@ -238,4 +239,66 @@ fn detect_on_wgpu_gives_the_cpu_detections() {
             assert!(found.iter().any(same), "{want} not found on wgpu");
         }
     }
+}
+
+/// The kernels a cold training step compiles on wgpu, at most: the pets config's step at
+/// batch 1 compiled 300 on lavapipe (docs/src/performance.md); a change that multiplies the
+/// compilations of a step fails here.
+const COLD_STEP_KERNELS_AT_MOST: usize = 360;
+
+/// A training process on wgpu keeps the kernels it compiles in the kernel cache
+/// (`SSD_BURN_KERNEL_CACHE`), and a second process doing the same work compiles none: it
+/// finds every kernel there and says so. The first compiles a bounded number.
+#[test]
+fn a_second_process_compiles_no_kernel_and_the_first_a_bounded_number() {
+    if wgpu_devices(&[0]).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    prepare(dir.path());
+    let config_file = dir.path().join("config.json");
+    let c = config(dir.path(), 1);
+    std::fs::write(&config_file, serde_json::to_string(&c).unwrap()).unwrap();
+    let cache = dir.path().join("cache");
+    let train = |model_dir: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .env("SSD_BURN_KERNEL_CACHE", &cache)
+            .arg("--config")
+            .arg(&config_file)
+            .arg("--model-dir")
+            .arg(dir.path().join(model_dir))
+            .args(["--devices", "wgpu", "--no-eval"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        stderr
+    };
+    let kept = || {
+        let builds: Vec<_> = std::fs::read_dir(cache.join("kernels"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(builds.len(), 1, "{builds:?}");
+        train::devices::kernel_cache::kernels_in(&builds[0])
+    };
+    let first = train("cold");
+    // cubecl keeps compiled kernels on Vulkan (SPIR-V) and CUDA, not Metal's or WGSL's
+    if !first.contains(", Vulkan)") {
+        eprintln!("skipped: not a Vulkan adapter: {first}");
+        return;
+    }
+    assert!(first.contains("0 compiled kernels"), "{first}");
+    let compiled = kept();
+    eprintln!("a cold training step compiled {compiled} kernels");
+    assert!(
+        compiled > 0 && compiled <= COLD_STEP_KERNELS_AT_MOST,
+        "{compiled} kernels compiled by a cold step, more than {COLD_STEP_KERNELS_AT_MOST}"
+    );
+    let second = train("warm");
+    assert!(
+        second.contains(&format!("{compiled} compiled kernels")),
+        "{second}"
+    );
+    assert_eq!(kept(), compiled, "the second process compiled kernels");
 }

@@ -85,6 +85,9 @@ pub fn conv_same<B: Backend>(
     depthwise: bool,
 ) -> FloatTensor<B> {
     let kernel = weight.shape().dims::<4>()[2];
+    if is_pointwise(kernel, stride, depthwise) {
+        return pointwise::<B>(x, weight, bias);
+    }
     let same = Same::new(&x, kernel, stride, groups(&x, depthwise));
     let x = same.input::<B>(x);
     prim(conv2d(
@@ -116,7 +119,66 @@ pub fn conv_same_backward<B: Backend>(
     ConvGrads { x, weight, bias }
 }
 
-/// The input (when `want_x`) and filter gradients of a dense convolution, by Burn's own.
+/// Whether a convolution is a dense 1x1 one of stride 1, which [`pointwise`] computes: most
+/// of MobileNet's arithmetic (the pointwise layers, the heads, half the extra layers).
+fn is_pointwise(kernel: usize, stride: usize, depthwise: bool) -> bool {
+    kernel == 1 && stride == 1 && !depthwise
+}
+
+/// A dense 1x1 convolution of stride 1 as a matrix product, `weight [out, in]` times each
+/// image's `[in, h w]` (the filter broadcast over the batch). Burn's GPU backends without
+/// autotuning run a convolution as a direct kernel and its input gradient as a direct
+/// transposed convolution: measured on lavapipe, seconds per layer where a matrix product
+/// takes milliseconds.
+fn pointwise<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    let [batch, channels, h, w] = x.shape().dims();
+    let out = weight.shape().dims::<4>()[0];
+    let x = tensor::<B, 4>(x).reshape([batch, channels, h * w]);
+    let y = tensor::<B, 4>(weight).reshape([1, out, channels]).matmul(x);
+    let y = match bias {
+        Some(bias) => y + tensor::<B, 1>(bias).reshape([1, out, 1]),
+        None => y,
+    };
+    prim(y.reshape([batch, out, h, w]))
+}
+
+/// The input (when `want_x`) and filter gradients of [`pointwise`]: `weight^T grad` per
+/// image, and `grad x^T` summed over the images.
+fn pointwise_grads<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    want_x: bool,
+) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
+    let [batch, channels, h, w] = x.shape().dims();
+    let out = weight.shape().dims::<4>()[0];
+    let grad = tensor::<B, 4>(grad).reshape([batch, out, h * w]);
+    let dx = want_x.then(|| {
+        let weight = tensor::<B, 4>(weight).reshape([1, out, channels]);
+        prim(
+            weight
+                .transpose()
+                .matmul(grad.clone())
+                .reshape([batch, channels, h, w]),
+        )
+    });
+    let x = tensor::<B, 4>(x).reshape([batch, channels, h * w]);
+    let per_image = grad.matmul(x.transpose());
+    // a sum over one image would be a kernel that copies
+    let dweight = if batch == 1 {
+        per_image
+    } else {
+        per_image.sum_dim(0)
+    };
+    (dx, prim(dweight.reshape([out, channels, 1, 1])))
+}
+
+/// The input (when `want_x`) and filter gradients of a dense convolution: [`pointwise_grads`]
+/// for a 1x1 one of stride 1, else Burn's own.
 fn dense_grads<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
@@ -126,6 +188,9 @@ fn dense_grads<B: Backend>(
 ) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
     let [batch, in_channels, h, w] = x.shape().dims();
     let kernel = weight.shape().dims::<4>()[2];
+    if is_pointwise(kernel, stride, false) {
+        return pointwise_grads::<B>(x, weight, grad, want_x);
+    }
     let same = Same::new(&x, kernel, stride, 1);
     let input = same.input::<B>(x);
     let dx = want_x.then(|| {

@@ -78,6 +78,11 @@ impl CheckpointArgs {
 
 /// Parses the command line and runs the command.
 pub fn main() -> Result<ExitCode> {
+    // SAFETY: the first thing `main` does: the process has one thread
+    #[cfg(feature = "cuda")]
+    unsafe {
+        train::devices::kernel_cache::point_driver_cache()
+    };
     train::allocator::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())

@@ -97,6 +97,40 @@ pub fn memory_bytes(ordinal: usize) -> Option<f64> {
     Some(bytes as f64)
 }
 
+/// What the PTX cubecl compiles for CUDA devices `ids` is good for, as the kernel cache's
+/// folder names it: their one GPU architecture and NVRTC's version (`cuda-sm90-nvrtc12.8`).
+/// cubecl compiles for the device's architecture, which another refuses, and a driver refuses
+/// PTX of a newer NVRTC; neither is in cubecl's key. `None` for devices of several
+/// architectures, or one the driver does not report.
+pub fn architecture(ids: &[usize]) -> Option<String> {
+    let mut capabilities: Vec<(i32, i32)> = ids
+        .iter()
+        .map(|&i| compute_capability(i))
+        .collect::<Option<_>>()?;
+    capabilities.dedup();
+    let [(major, minor)] = capabilities[..] else {
+        return None;
+    };
+    let (_, nvrtc) = versions()?;
+    Some(format!("cuda-sm{major}{minor}-nvrtc{}", dotted(nvrtc)))
+}
+
+/// The compute capability (major, minor) of CUDA device `ordinal`; `None` where the driver
+/// cannot tell.
+fn compute_capability(ordinal: usize) -> Option<(i32, i32)> {
+    use cudarc::driver::sys::CUdevice_attribute as Attribute;
+    cudarc::driver::result::init().ok()?;
+    let device = cudarc::driver::result::device::get(ordinal as i32).ok()?;
+    // SAFETY: `device` is a handle the driver has just returned.
+    let read = |attribute| {
+        unsafe { cudarc::driver::result::device::get_attribute(device, attribute) }.ok()
+    };
+    Some((
+        read(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        read(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

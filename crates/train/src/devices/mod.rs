@@ -3,6 +3,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub mod kernel_cache;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
@@ -91,7 +93,7 @@ fn default_devices() -> (Devices, String) {
         return (
             Devices::Cuda((0..n).collect()),
             format!(
-                "{n} CUDA device(s) found: training on all of them (the first steps compile GPU kernels, minutes on a fresh machine; `--devices cpu` trains on the CPU)"
+                "{n} CUDA device(s) found: training on all of them (a machine's first run compiles the GPU kernels, kept for later runs; `--devices cpu` trains on the CPU)"
             ),
         );
     }
@@ -141,6 +143,7 @@ impl Devices {
             #[cfg(feature = "cuda")]
             Devices::Cuda(ids) => {
                 cuda::check_toolkit()?;
+                kernel_cache::use_kernel_caches(self.kernel_cache_name().as_deref());
                 job.run::<burn::backend::Cuda>(
                     ids.iter()
                         .map(|&i| burn::backend::cuda::CudaDevice::new(i))
@@ -150,9 +153,31 @@ impl Devices {
             #[cfg(not(feature = "cuda"))]
             Devices::Cuda(_) => bail!("built without the `cuda` feature"),
             #[cfg(feature = "wgpu")]
-            Devices::Wgpu(ids) => job.run::<burn::backend::Wgpu>(wgpu::devices(ids)?),
+            Devices::Wgpu(ids) => {
+                kernel_cache::use_kernel_caches(self.kernel_cache_name().as_deref());
+                job.run::<burn::backend::Wgpu>(wgpu::devices(ids)?)
+            }
             #[cfg(not(feature = "wgpu"))]
             Devices::Wgpu(_) => bail!("built without the `wgpu` feature"),
+        }
+    }
+}
+
+impl Devices {
+    /// What the GPU kernels compiled for these devices are good for, which names their
+    /// folder in the kernel cache: the CUDA architecture and NVRTC version
+    /// (`cuda-sm90-nvrtc12.8`), or `wgpu` (SPIR-V, the same for every Vulkan GPU; autotune
+    /// results are kept per device). `None` where no one folder fits (CUDA devices of several
+    /// architectures).
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn kernel_cache_name(&self) -> Option<String> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Devices::Cuda(ids) => cuda::architecture(ids),
+            #[cfg(not(feature = "cuda"))]
+            Devices::Cuda(_) => None,
+            Devices::Wgpu(_) => Some("wgpu".into()),
+            Devices::Cpu(_) => Some("cpu".into()),
         }
     }
 }

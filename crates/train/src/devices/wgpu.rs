@@ -85,8 +85,14 @@ fn open_another(first: &WgpuSetup, index: usize) -> Result<WgpuDevice> {
         memory_hints: wgpu::MemoryHints::MemoryUsage,
         trace: wgpu::Trace::Off,
     };
-    let (device, queue) = pollster::block_on(adapter.request_device(&descriptor))
-        .with_context(|| format!("wgpu device {index} on {}", info.name))?;
+    let (device, queue) = if info.backend == wgpu::Backend::Vulkan {
+        // as cubecl opens device 0: with the Vulkan features its SPIR-V is compiled for
+        pollster::block_on(burn::cubecl::wgpu::vulkan::request_vulkan_device(&adapter))
+            .with_context(|| format!("wgpu device {index}: Vulkan device on {}", info.name))?
+    } else {
+        pollster::block_on(adapter.request_device(&descriptor))
+            .with_context(|| format!("wgpu device {index} on {}", info.name))?
+    };
     let setup = WgpuSetup {
         instance: first.instance.clone(),
         adapter,

@@ -495,12 +495,14 @@ impl<'a, B: SsdBackend> Run<'a, B> {
         step.is_multiple_of(self.config.train.checkpoint_every) || self.evaluates(step)
     }
 
-    /// Whether step `step` (counted from 1) reads its loss back from the device: a step that
+    /// Whether step `step` (counted from 1) reads its loss back from the device: the run's
+    /// first (its time, compilation of the GPU kernels included, is reported), a step that
     /// is logged, checkpointed or evaluated, the last one, one after a stop request, and
     /// every step of a multi-node run (whose stop requests travel with the loss). The others
     /// leave it on the device: one blocking read fewer per step.
     fn reads_loss(&self, step: u64, stop: bool) -> bool {
         self.options.nodes.is_some()
+            || self.timing.step_seconds.is_empty()
             || stop
             || self.logs(step)
             || self.checkpoints(step)
@@ -542,9 +544,13 @@ impl<'a, B: SsdBackend> Run<'a, B> {
         p.stopping |= outcome.stop;
         p.step += 1;
         self.timing.sync_seconds += outcome.sync_seconds;
-        self.timing
-            .step_seconds
-            .push(step_start.elapsed().as_secs_f64());
+        let seconds = step_start.elapsed().as_secs_f64();
+        if self.timing.step_seconds.is_empty() {
+            // on a GPU, mostly the compilation of its kernels where no cache holds them yet
+            self.log
+                .say(format!("first step of this run: {seconds:.1} s"));
+        }
+        self.timing.step_seconds.push(seconds);
         self.timing.window.1 += 1;
         Ok(())
     }
