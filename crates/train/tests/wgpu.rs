@@ -241,10 +241,10 @@ fn detect_on_wgpu_gives_the_cpu_detections() {
     }
 }
 
-/// The kernels a cold training step compiles on wgpu, at most: the pets config's step at
-/// batch 1 compiled 300 on lavapipe (docs/src/performance.md); a change that multiplies the
-/// compilations of a step fails here.
-const COLD_STEP_KERNELS_AT_MOST: usize = 360;
+/// The kernels a cold training step of the tiny network compiles on wgpu, at most: 239 on
+/// lavapipe (2026-12-07; the pets config's step at batch 1: 300, docs/src/performance.md); a
+/// change that multiplies the compilations of a step fails here.
+const COLD_STEP_KERNELS_AT_MOST: usize = 300;
 
 /// A training process on wgpu keeps the kernels it compiles in the kernel cache
 /// (`SSD_BURN_KERNEL_CACHE`), and a second process doing the same work compiles none: it
@@ -270,9 +270,10 @@ fn a_second_process_compiles_no_kernel_and_the_first_a_bounded_number() {
             .args(["--devices", "wgpu", "--no-eval"])
             .output()
             .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(out.status.success(), "{stderr}");
-        stderr
+        // the adapter's line goes to stdout, the cache's to stderr
+        let printed = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{printed}");
+        printed.into_owned()
     };
     let kept = || {
         let builds: Vec<_> = std::fs::read_dir(cache.join("kernels"))
@@ -284,7 +285,7 @@ fn a_second_process_compiles_no_kernel_and_the_first_a_bounded_number() {
     };
     let first = train("cold");
     // cubecl keeps compiled kernels on Vulkan (SPIR-V) and CUDA, not Metal's or WGSL's
-    if !first.contains(", Vulkan)") {
+    if first.contains("wgpu adapter:") && !first.contains(", Vulkan)") {
         eprintln!("skipped: not a Vulkan adapter: {first}");
         return;
     }

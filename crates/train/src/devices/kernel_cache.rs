@@ -196,7 +196,7 @@ fn remove_old_builds(builds: &Path, current: &Path) {
             Some((used.ok()?, p))
         })
         .collect();
-    others.sort_by(|a, b| b.0.cmp(&a.0));
+    others.sort_by_key(|other| std::cmp::Reverse(other.0));
     for (_, old) in others.into_iter().skip(OTHER_BUILDS_KEPT) {
         // another run may be using it still; a folder left behind is only disk space
         let _ = std::fs::remove_dir_all(old);
