@@ -6,7 +6,7 @@
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::Tensor;
 
-use super::tests::{CONVS, assert_close, filter_shape};
+use super::tests::{CONVS, ConvCase, assert_close, filter_shape};
 use super::{
     RmsPropStep, SsdBackend, add_scaled, affine_relu6, batch_norm_relu6, channels_last,
     conv_affine_relu6, conv_same, depthwise_between_batch_norms, half_squared_norm, moving_average,
@@ -99,9 +99,10 @@ macro_rules! on_both {
     };
 }
 
-fn conv_case<B: SsdBackend>(n: usize) -> Outcome {
-    let (shape, out, k, stride, depthwise, with_bias) = CONVS[n];
-    let seed = 1000 + 10 * n as u64;
+fn conv_case<B: SsdBackend>(
+    (shape, out, k, stride, depthwise, with_bias): ConvCase,
+    seed: u64,
+) -> Outcome {
     let w_shape = filter_shape(shape, out, k, depthwise);
     let x = input::<B, 4>(shape, (1.0, 0.0), seed);
     let w = input::<B, 4>(w_shape, (1.0, 0.0), seed + 1);
@@ -134,16 +135,57 @@ fn convolutions_and_their_gradients() {
     for (n, conv) in CONVS.iter().enumerate() {
         compare(
             &format!("conv {conv:?}"),
-            |on| match on {
-                // burn-cubecl 0.21 returns an input gradient of zeros for this filter (1x1,
-                // depthwise, stride 2); the network has no such layer (its 1x1 filters are
-                // dense, stride 1)
-                #[cfg(feature = "wgpu")]
-                On::Wgpu if *conv == ([1, 3, 6, 8], 3, 1, 2, true, false) => conv_case::<Flex>(n),
-                _ => on_both!(on, conv_case(n)),
-            },
+            |on| on_both!(on, conv_case(*conv, 1000 + 10 * n as u64)),
             1e-4,
         );
+    }
+}
+
+/// The layer shapes of SSD-MobileNet-v1's backbone at 300x300 (each depthwise layer's input
+/// size, channel count and stride, batch 2): the GPU kernels (`ops/cube`) against the CPU
+/// kernels, forward and backward: the depthwise convolution, and BatchNorm + ReLU6 at its
+/// input's and output's shapes (every BatchNorm of the backbone has one of them). Only on
+/// wgpu: burn-ndarray's grouped convolutions take minutes at these sizes.
+#[cfg(feature = "wgpu")]
+#[test]
+fn layers_of_the_pets_network_on_wgpu() {
+    if !generic_backends().contains(&On::Wgpu) {
+        eprintln!("skipped: WGPU_TESTS_REQUIRED=1 runs it (needs a Vulkan driver)");
+        return;
+    }
+    let layers = [
+        (150, 32, 1),
+        (150, 64, 2),
+        (75, 128, 1),
+        (75, 128, 2),
+        (38, 256, 1),
+        (38, 256, 2),
+        (19, 512, 1),
+        (19, 512, 2),
+        (10, 1024, 1),
+    ];
+    for (n, (size, channels, stride)) in layers.into_iter().enumerate() {
+        let case = ([2, channels, size, size], channels, 3, stride, true, false);
+        let seed = 5000 + 10 * n as u64;
+        let same = |what: &str, got: Outcome, want: Outcome| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            for (i, (g, w)) in got.into_iter().zip(want).enumerate() {
+                assert_close(&format!("{what} [{i}]"), g, w, 1e-4);
+            }
+        };
+        same(
+            &format!("depthwise {case:?}"),
+            conv_case::<burn::backend::Wgpu>(case, seed),
+            conv_case::<Flex>(case, seed),
+        );
+        let out = size.div_ceil(stride);
+        for shape in [[2, channels, size, size], [2, channels, out, out]] {
+            same(
+                &format!("batch norm {shape:?}"),
+                batch_norm_case::<burn::backend::Wgpu>(shape),
+                batch_norm_case::<Flex>(shape),
+            );
+        }
     }
 }
 

@@ -6,12 +6,15 @@
 //! step's element-wise updates (L2 term, RMSProp, weight EMA) as single passes. Each has a
 //! default built from Burn's generic tensor operations ([`reference`](mod@reference)), which any backend
 //! (CUDA included) gets for free; the CPU backend overrides them with kernels written for
-//! these layers ([`cpu`]), and `Autodiff<B>` records them as single graph nodes whose
+//! these layers ([`cpu`]), the GPU backends the depthwise convolution and its gradients with
+//! CubeCL kernels (module `cube`, features `cuda` and `wgpu`), and `Autodiff<B>` records them as single graph nodes whose
 //! backward pass calls the inner backend's backward operation. Model code stays generic
 //! over `B: SsdBackend`.
 
 mod autodiff;
 pub mod cpu;
+#[cfg(feature = "cube")]
+pub mod cube;
 mod flex;
 pub mod reference;
 
@@ -136,6 +139,28 @@ pub trait SsdBackend: Backend {
         wanted: ConvGradsWanted,
     ) -> ConvGrads<Self> {
         reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise, wanted)
+    }
+
+    /// The depthwise case of [`SsdBackend::conv_same`] without bias, `weight [in, 1, k, k]`:
+    /// the GPU backends run it as a kernel of this crate (module `cube`).
+    fn depthwise_conv(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        stride: usize,
+    ) -> FloatTensor<Self> {
+        reference::depthwise_conv::<Self>(x, weight, stride)
+    }
+
+    /// The input gradient (when `want_x`) and the filter gradient of
+    /// [`SsdBackend::depthwise_conv`] for the output gradient `grad`.
+    fn depthwise_conv_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        stride: usize,
+        want_x: bool,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
+        reference::depthwise_grads::<Self>(x, weight, grad, stride, want_x)
     }
 
     /// Training-mode BatchNorm (batch statistics) followed by ReLU6.
@@ -315,21 +340,6 @@ pub trait SsdBackend: Backend {
         false
     }
 }
-
-#[cfg(feature = "cuda")]
-impl SsdBackend for burn::backend::Cuda {
-    fn copies_device_to_device() -> bool {
-        // SAFETY: only probes whether the NCCL library can be loaded.
-        unsafe { cudarc::nccl::sys::is_culib_present() }
-    }
-}
-
-#[cfg(feature = "wgpu")]
-impl SsdBackend for burn::backend::Wgpu {}
-
-/// burn-wgpu without kernel fusion, for the tests that measure what fusion changes.
-#[cfg(all(feature = "wgpu", feature = "generic-backend"))]
-impl SsdBackend for WgpuUnfused {}
 
 /// burn-wgpu's backend without the fusion layer that [`burn::backend::Wgpu`] wraps it in.
 #[cfg(all(feature = "wgpu", feature = "generic-backend"))]

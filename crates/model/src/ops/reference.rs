@@ -68,27 +68,39 @@ fn padded<B: Backend>(x: FloatTensor<B>, pads: (usize, usize, usize, usize)) -> 
     prim(tensor::<B, 4>(x).pad(pads, PadMode::Constant(0.0)))
 }
 
-/// Convolution groups: one per input channel for a depthwise convolution.
-fn groups(x: &impl TensorMetadata, depthwise: bool) -> usize {
-    if depthwise {
-        x.shape().dims::<4>()[1]
-    } else {
-        1
-    }
-}
-
-pub fn conv_same<B: Backend>(
+/// A dense convolution as [`pointwise`] or Burn's; a depthwise one as
+/// [`SsdBackend::depthwise_conv`], then the bias.
+pub fn conv_same<B: SsdBackend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
     stride: usize,
     depthwise: bool,
 ) -> FloatTensor<B> {
+    if depthwise {
+        let y = B::depthwise_conv(x, weight, stride);
+        return match bias {
+            Some(bias) => prim(tensor::<B, 4>(y) + per_channel(bias)),
+            None => y,
+        };
+    }
     let kernel = weight.shape().dims::<4>()[2];
-    if is_pointwise(kernel, stride, depthwise) {
+    if is_pointwise(kernel, stride) {
         return pointwise::<B>(x, weight, bias);
     }
-    let same = Same::new(&x, kernel, stride, groups(&x, depthwise));
+    burn_conv_same::<B>(x, weight, bias, kernel, stride, 1)
+}
+
+/// Burn's convolution of `x` with SAME padding, in `groups`.
+fn burn_conv_same<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    kernel: usize,
+    stride: usize,
+    groups: usize,
+) -> FloatTensor<B> {
+    let same = Same::new(&x, kernel, stride, groups);
     let x = same.input::<B>(x);
     prim(conv2d(
         tensor::<B, 4>(x),
@@ -98,7 +110,18 @@ pub fn conv_same<B: Backend>(
     ))
 }
 
-pub fn conv_same_backward<B: Backend>(
+/// The depthwise convolution as one grouped convolution of Burn's (a group per channel).
+pub fn depthwise_conv<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    stride: usize,
+) -> FloatTensor<B> {
+    let kernel = weight.shape().dims::<4>()[2];
+    let channels = x.shape().dims::<4>()[1];
+    burn_conv_same::<B>(x, weight, None, kernel, stride, channels)
+}
+
+pub fn conv_same_backward<B: SsdBackend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     grad: FloatTensor<B>,
@@ -112,17 +135,17 @@ pub fn conv_same_backward<B: Backend>(
         prim(channel_sums(grad).reshape([channels]))
     });
     let (x, weight) = if depthwise {
-        depthwise_grads::<B>(x, weight, grad, stride, wanted.x)
+        B::depthwise_conv_backward(x, weight, grad, stride, wanted.x)
     } else {
         dense_grads::<B>(x, weight, grad, stride, wanted.x)
     };
     ConvGrads { x, weight, bias }
 }
 
-/// Whether a convolution is a dense 1x1 one of stride 1, which [`pointwise`] computes: most
+/// Whether a dense convolution is a 1x1 one of stride 1, which [`pointwise`] computes: most
 /// of MobileNet's arithmetic (the pointwise layers, the heads, half the extra layers).
-fn is_pointwise(kernel: usize, stride: usize, depthwise: bool) -> bool {
-    kernel == 1 && stride == 1 && !depthwise
+fn is_pointwise(kernel: usize, stride: usize) -> bool {
+    kernel == 1 && stride == 1
 }
 
 /// A dense 1x1 convolution of stride 1 as a matrix product, `weight [out, in]` times each
@@ -188,7 +211,7 @@ fn dense_grads<B: Backend>(
 ) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
     let [batch, in_channels, h, w] = x.shape().dims();
     let kernel = weight.shape().dims::<4>()[2];
-    if is_pointwise(kernel, stride, false) {
+    if is_pointwise(kernel, stride) {
         return pointwise_grads::<B>(x, weight, grad, want_x);
     }
     let same = Same::new(&x, kernel, stride, 1);
@@ -215,7 +238,7 @@ fn dense_grads<B: Backend>(
 /// (no padded copy of the input). Burn's grouped gradients loop over the channels on its GPU
 /// backends instead: a slice, a convolution and a slice assignment per channel, thousands of
 /// kernel launches a step.
-fn depthwise_grads<B: Backend>(
+pub fn depthwise_grads<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     grad: FloatTensor<B>,

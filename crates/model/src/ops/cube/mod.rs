@@ -1,0 +1,85 @@
+//! The GPU backends' own kernels, written once in CubeCL for CUDA and wgpu, each compiled once
+//! per float type whatever the layer's shape: the depthwise convolution and its gradients
+//! ([`depthwise`]), which Burn without autotuning runs as grouped direct convolutions compiled
+//! per layer geometry (and, for the gradients, as transposed and dilated ones); training-mode
+//! BatchNorm + ReLU6 and its backward pass ([`batch_norm`]), two launches each way where
+//! Burn's operations take six to eight. Burn's fusion wrapper hands them to the backend
+//! underneath as custom operations (`fusion`).
+
+pub mod batch_norm;
+pub mod depthwise;
+mod fusion;
+mod sums;
+
+use burn::tensor::TensorMetadata;
+use burn::tensor::ops::FloatTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use super::{BatchNormGrads, BatchNormOutput, SsdBackend};
+
+impl<R, F, I, BT> SsdBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn depthwise_conv(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        stride: usize,
+    ) -> FloatTensor<Self> {
+        depthwise::forward(x, weight, stride)
+    }
+
+    fn depthwise_conv_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        stride: usize,
+        want_x: bool,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
+        let kernel = weight.shape().dims::<4>()[2];
+        let dx = want_x.then(|| depthwise::input_grad(x.shape(), weight, grad.clone(), stride));
+        (dx, depthwise::filter_grad(x, grad, kernel, stride))
+    }
+
+    fn batch_norm_relu6(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> BatchNormOutput<Self> {
+        let [y, mean, variance] = batch_norm::forward(x, gamma, beta, epsilon);
+        BatchNormOutput { y, mean, variance }
+    }
+
+    fn batch_norm_relu6_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> BatchNormGrads<Self> {
+        let [x, gamma, beta] =
+            batch_norm::backward([x, grad], [gamma, beta, mean, variance], epsilon);
+        BatchNormGrads { x, gamma, beta }
+    }
+
+    fn copies_device_to_device() -> bool {
+        is_cuda::<R>()
+    }
+}
+
+/// Whether `R` is CUDA, whose devices Burn 0.21 copies between with NCCL point-to-point
+/// (so it needs libnccl at run time, which this probes); other runtimes' copies panic.
+fn is_cuda<R: 'static>() -> bool {
+    #[cfg(feature = "cuda")]
+    if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+        // SAFETY: only probes whether the NCCL library can be loaded.
+        return unsafe { cudarc::nccl::sys::is_culib_present() };
+    }
+    false
+}
