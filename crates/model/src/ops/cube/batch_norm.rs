@@ -1,6 +1,7 @@
 //! Training-mode BatchNorm + ReLU6 and its backward pass as CubeCL kernels, two launches each
 //! way: the per-channel sums by one cube per channel, then the element-wise part by one cube
-//! per plane (`[n, c]`), whose units need no division to find their channel. Burn's
+//! per plane (`[n, c]`); each unit walks a strided share of the planes, so none divides to
+//! find its channel. Burn's
 //! operations take six to eight kernels for the same (fused element-wise kernels that
 //! recompute every value's channel from its index, and separate reductions).
 //!
@@ -17,13 +18,6 @@ use cubecl::prelude::*;
 use cubecl::server::CubeCountSelection;
 
 use super::sums::{UNITS, cube_sum};
-
-/// The offset of the `i`-th value of channel `c` (in batch, then plane order) in contiguous
-/// `[batch, channels, plane]` data.
-#[cube]
-fn channel_value(i: usize, plane: usize, channels: usize, c: usize) -> usize {
-    (i / plane * channels + c) * plane + i % plane
-}
 
 /// `1 / sqrt(variance + epsilon)`.
 #[cube]
@@ -56,18 +50,24 @@ fn statistics_kernel<F: Float>(
     let count = x.shape(0) * plane;
     let mut shares = SharedMemory::<F>::new(units as usize);
     let mut sum = F::new(0.0);
-    let mut i = UNIT_POS as usize;
-    while i < count {
-        sum += x[channel_value(i, plane, channels, c)];
-        i += units as usize;
+    for n in 0..x.shape(0) {
+        let start = (n * channels + c) * plane;
+        let mut p = UNIT_POS as usize;
+        while p < plane {
+            sum += x[start + p];
+            p += units as usize;
+        }
     }
     let m = cube_sum(&mut shares, sum) / F::cast_from(count as u32);
     let mut squares = F::new(0.0);
-    let mut j = UNIT_POS as usize;
-    while j < count {
-        let d = x[channel_value(j, plane, channels, c)] - m;
-        squares += d * d;
-        j += units as usize;
+    for n in 0..x.shape(0) {
+        let start = (n * channels + c) * plane;
+        let mut p = UNIT_POS as usize;
+        while p < plane {
+            let d = x[start + p] - m;
+            squares += d * d;
+            p += units as usize;
+        }
     }
     let v = cube_sum(&mut shares, squares) / F::cast_from(count as u32);
     if UNIT_POS == 0 {
@@ -132,22 +132,23 @@ fn gradient_sums_kernel<F: Float>(
     }
     let c = CUBE_POS;
     let plane = x.shape(2) * x.shape(3);
-    let count = x.shape(0) * plane;
     let unit_std = inv_std::<F>(variance[c], epsilon.get::<F>());
     let scale = gamma[c] * unit_std;
     let m = mean[c];
     let b = beta[c];
     let mut sum_dz = F::new(0.0);
     let mut sum_dz_x_hat = F::new(0.0);
-    let mut i = UNIT_POS as usize;
-    while i < count {
-        let at = channel_value(i, plane, channels, c);
-        let centred = x[at] - m;
-        let z = centred * scale + b;
-        let dz = relu6_grad::<F>(z, grad[at]);
-        sum_dz += dz;
-        sum_dz_x_hat += dz * centred * unit_std;
-        i += units as usize;
+    for n in 0..x.shape(0) {
+        let start = (n * channels + c) * plane;
+        let mut p = UNIT_POS as usize;
+        while p < plane {
+            let centred = x[start + p] - m;
+            let z = centred * scale + b;
+            let dz = relu6_grad::<F>(z, grad[start + p]);
+            sum_dz += dz;
+            sum_dz_x_hat += dz * centred * unit_std;
+            p += units as usize;
+        }
     }
     let mut shares = SharedMemory::<F>::new(units as usize);
     let total_dz = cube_sum(&mut shares, sum_dz);

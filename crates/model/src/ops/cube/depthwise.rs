@@ -3,14 +3,15 @@
 //! Shapes, strides and pads are runtime arguments and every tensor is read through its own
 //! strides, so each kernel compiles once per float type for the whole network (Burn's
 //! grouped convolutions compile per layer geometry and copy their operands to channels-last
-//! first). Positions are written in padded coordinates (`row = out_row * stride + tap`), so
+//! first). A cube of 256 units takes one plane `[n, c]` (one filter tap for the filter
+//! gradient), each unit a strided share of its positions, with the tensors' strides and
+//! sizes read once. Positions are written in padded coordinates (`row = out_row * stride + tap`), so
 //! the bounds tests need no signed arithmetic.
 
 use burn::tensor::{Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 use cubecl::server::CubeCountSelection;
 
@@ -18,8 +19,9 @@ use super::sums::{UNITS, cube_sum};
 use crate::ops::cpu::same_padding;
 
 /// `y[n, c, i, j] = sum over the taps of x[n, c, i s + ky - top, j s + kx - left] w[c, 0, ky, kx]`,
-/// one unit per output value.
+/// one cube per plane `[n, c]`, each unit a strided share of its outputs.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn forward_kernel<F: Float>(
     x: &Tensor<F>,
     weight: &Tensor<F>,
@@ -27,43 +29,55 @@ fn forward_kernel<F: Float>(
     stride: u32,
     pad_top: u32,
     pad_left: u32,
+    #[comptime] units: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    if ABSOLUTE_POS >= y.len() {
+    let channels = y.shape(1);
+    if CUBE_POS >= y.shape(0) * channels {
         terminate!();
     }
+    let c = CUBE_POS % channels;
+    let x_plane = CUBE_POS / channels * x.stride(0) + c * x.stride(1);
+    let x_row = x.stride(2);
+    let x_col = x.stride(3);
+    let height = x.shape(2);
+    let width = x.shape(3);
+    let taps = c * weight.stride(0);
+    let w_row = weight.stride(2);
+    let w_col = weight.stride(3);
+    let kernel = weight.shape(2);
+    let cols = y.shape(3);
+    let plane = y.shape(2) * cols;
     let step = stride as usize;
     let top = pad_top as usize;
     let left = pad_left as usize;
-    let cols = y.shape(3);
-    let rows = y.shape(2);
-    let channels = y.shape(1);
-    let j = ABSOLUTE_POS % cols;
-    let i = (ABSOLUTE_POS / cols) % rows;
-    let c = (ABSOLUTE_POS / (cols * rows)) % channels;
-    let n = ABSOLUTE_POS / (cols * rows * channels);
-    let kernel = weight.shape(2);
-    let plane = n * x.stride(0) + c * x.stride(1);
-    let mut sum = F::new(0.0);
-    for ky in 0..kernel {
-        let row = i * step + ky;
-        if row >= top && row - top < x.shape(2) {
-            for kx in 0..kernel {
-                let col = j * step + kx;
-                if col >= left && col - left < x.shape(3) {
-                    let pixel = plane + (row - top) * x.stride(2) + (col - left) * x.stride(3);
-                    let tap = c * weight.stride(0) + ky * weight.stride(2) + kx * weight.stride(3);
-                    sum += x[pixel] * weight[tap];
+    let mut p = UNIT_POS as usize;
+    while p < plane {
+        let i = p / cols;
+        let j = p - i * cols;
+        let mut sum = F::new(0.0);
+        for ky in 0..kernel {
+            let row = i * step + ky;
+            if row >= top && row - top < height {
+                let x_at = x_plane + (row - top) * x_row;
+                let w_at = taps + ky * w_row;
+                for kx in 0..kernel {
+                    let col = j * step + kx;
+                    if col >= left && col - left < width {
+                        sum += x[x_at + (col - left) * x_col] * weight[w_at + kx * w_col];
+                    }
                 }
             }
         }
+        y[CUBE_POS * plane + p] = sum;
+        p += units as usize;
     }
-    y[ABSOLUTE_POS] = sum;
 }
 
 /// `dx[n, c, y, x] = sum of grad[n, c, i, j] w[c, 0, ky, kx]` over the taps and outputs with
-/// `i s + ky = y + top` and `j s + kx = x + left`, one unit per input value.
+/// `i s + ky = y + top` and `j s + kx = x + left`, one cube per plane `[n, c]`.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn input_grad_kernel<F: Float>(
     grad: &Tensor<F>,
     weight: &Tensor<F>,
@@ -71,48 +85,60 @@ fn input_grad_kernel<F: Float>(
     stride: u32,
     pad_top: u32,
     pad_left: u32,
+    #[comptime] units: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    if ABSOLUTE_POS >= dx.len() {
+    let channels = dx.shape(1);
+    if CUBE_POS >= dx.shape(0) * channels {
         terminate!();
     }
-    let step = stride as usize;
-    let width = dx.shape(3);
-    let height = dx.shape(2);
-    let channels = dx.shape(1);
-    let col = ABSOLUTE_POS % width + pad_left as usize;
-    let row = (ABSOLUTE_POS / width) % height + pad_top as usize;
-    let c = (ABSOLUTE_POS / (width * height)) % channels;
-    let n = ABSOLUTE_POS / (width * height * channels);
+    let c = CUBE_POS % channels;
+    let g_plane = CUBE_POS / channels * grad.stride(0) + c * grad.stride(1);
+    let g_row = grad.stride(2);
+    let g_col = grad.stride(3);
+    let rows = grad.shape(2);
+    let cols = grad.shape(3);
+    let taps = c * weight.stride(0);
+    let w_row = weight.stride(2);
+    let w_col = weight.stride(3);
     let kernel = weight.shape(2);
-    let plane = n * grad.stride(0) + c * grad.stride(1);
-    let mut sum = F::new(0.0);
-    for ky in 0..kernel {
-        if row >= ky {
-            let i = (row - ky) / step;
-            if i * step == row - ky && i < grad.shape(2) {
-                for kx in 0..kernel {
-                    if col >= kx {
-                        let j = (col - kx) / step;
-                        if j * step == col - kx && j < grad.shape(3) {
-                            let out = plane + i * grad.stride(2) + j * grad.stride(3);
-                            let tap = c * weight.stride(0)
-                                + ky * weight.stride(2)
-                                + kx * weight.stride(3);
-                            sum += grad[out] * weight[tap];
+    let width = dx.shape(3);
+    let plane = dx.shape(2) * width;
+    let step = stride as usize;
+    let mut p = UNIT_POS as usize;
+    while p < plane {
+        let y = p / width;
+        // padded coordinates
+        let row = y + pad_top as usize;
+        let col = p - y * width + pad_left as usize;
+        let mut sum = F::new(0.0);
+        for ky in 0..kernel {
+            if row >= ky {
+                let i = (row - ky) / step;
+                if i * step == row - ky && i < rows {
+                    let g_at = g_plane + i * g_row;
+                    let w_at = taps + ky * w_row;
+                    for kx in 0..kernel {
+                        if col >= kx {
+                            let j = (col - kx) / step;
+                            if j * step == col - kx && j < cols {
+                                sum += grad[g_at + j * g_col] * weight[w_at + kx * w_col];
+                            }
                         }
                     }
                 }
             }
         }
+        dx[CUBE_POS * plane + p] = sum;
+        p += units as usize;
     }
-    dx[ABSOLUTE_POS] = sum;
 }
 
 /// `dw[c, 0, ky, kx] = sum over n, i, j of x[n, c, i s + ky - top, j s + kx - left] grad[n, c, i, j]`,
-/// one cube per filter tap: each unit sums a strided share of the outputs, then the cube adds
-/// the shares in shared memory.
+/// one cube per filter tap: each unit sums a strided share of each image's outputs, then the
+/// cube adds the shares.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn filter_grad_kernel<F: Float>(
     x: &Tensor<F>,
     grad: &Tensor<F>,
@@ -127,34 +153,39 @@ fn filter_grad_kernel<F: Float>(
     if CUBE_POS >= dweight.len() {
         terminate!();
     }
-    let step = stride as usize;
-    let top = pad_top as usize;
-    let left = pad_left as usize;
     let kernel = dweight.shape(3);
     let kx = CUBE_POS % kernel;
     let ky = (CUBE_POS / kernel) % kernel;
     let c = CUBE_POS / (kernel * kernel);
+    let x_image = x.stride(0);
+    let x_row = x.stride(2);
+    let x_col = x.stride(3);
+    let height = x.shape(2);
+    let width = x.shape(3);
+    let g_image = grad.stride(0);
+    let g_row = grad.stride(2);
+    let g_col = grad.stride(3);
     let cols = grad.shape(3);
-    let rows = grad.shape(2);
-    let count = grad.shape(0) * rows * cols;
+    let plane = grad.shape(2) * cols;
+    let step = stride as usize;
+    let top = pad_top as usize;
+    let left = pad_left as usize;
     let mut sum = F::new(0.0);
-    let mut index = UNIT_POS as usize;
-    while index < count {
-        let j = index % cols;
-        let i = (index / cols) % rows;
-        let n = index / (cols * rows);
-        let row = i * step + ky;
-        let col = j * step + kx;
-        if row >= top && row - top < x.shape(2) && col >= left && col - left < x.shape(3) {
-            let pixel = n * x.stride(0)
-                + c * x.stride(1)
-                + (row - top) * x.stride(2)
-                + (col - left) * x.stride(3);
-            let out =
-                n * grad.stride(0) + c * grad.stride(1) + i * grad.stride(2) + j * grad.stride(3);
-            sum += x[pixel] * grad[out];
+    for n in 0..grad.shape(0) {
+        let x_plane = n * x_image + c * x.stride(1);
+        let g_plane = n * g_image + c * grad.stride(1);
+        let mut p = UNIT_POS as usize;
+        while p < plane {
+            let i = p / cols;
+            let j = p - i * cols;
+            let row = i * step + ky;
+            let col = j * step + kx;
+            if row >= top && row - top < height && col >= left && col - left < width {
+                let pixel = x_plane + (row - top) * x_row + (col - left) * x_col;
+                sum += x[pixel] * grad[g_plane + i * g_row + j * g_col];
+            }
+            p += units as usize;
         }
-        index += units as usize;
     }
     let mut shares = SharedMemory::<F>::new(units as usize);
     let total = cube_sum(&mut shares, sum);
@@ -176,14 +207,12 @@ fn geometry<R: CubeRuntime>(
     ([rows, cols], [top as u32, left as u32])
 }
 
-/// Launches an element-wise kernel over `out`'s values.
-fn elementwise_count<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCount, CubeDim) {
-    let units = out.shape().num_elements();
-    let cube_dim = CubeDim::new(&out.client, units);
-    (
-        calculate_cube_count_elemwise(&out.client, units, cube_dim),
-        cube_dim,
-    )
+/// One cube of [`UNITS`] per plane `[n, c]` of `out [batch, channels, h, w]`.
+fn plane_cubes<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCount, CubeDim) {
+    let [batch, channels, _, _] = out.shape().dims();
+    let cubes = (batch * channels) as u32;
+    let count = CubeCountSelection::new(&out.client, cubes).cube_count();
+    (count, CubeDim::new_1d(UNITS))
 }
 
 /// The depthwise convolution of `x [batch, channels, h, w]` by `weight [channels, 1, k, k]`
@@ -202,7 +231,7 @@ pub fn forward<R: CubeRuntime>(
         Shape::new([batch, channels, rows, cols]),
         x.dtype,
     );
-    let (count, dim) = elementwise_count(&y);
+    let (count, dim) = plane_cubes(&y);
     let dtype = x.dtype;
     forward_kernel::launch::<R>(
         &y.client,
@@ -214,6 +243,7 @@ pub fn forward<R: CubeRuntime>(
         stride as u32,
         top,
         left,
+        UNITS,
         dtype.into(),
     );
     y
@@ -236,7 +266,7 @@ pub fn input_grad<R: CubeRuntime>(
         x_shape,
         grad.dtype,
     );
-    let (count, dim) = elementwise_count(&dx);
+    let (count, dim) = plane_cubes(&dx);
     let dtype = grad.dtype;
     input_grad_kernel::launch::<R>(
         &dx.client,
@@ -248,6 +278,7 @@ pub fn input_grad<R: CubeRuntime>(
         stride as u32,
         top as u32,
         left as u32,
+        UNITS,
         dtype.into(),
     );
     dx
