@@ -68,7 +68,7 @@ fn padded<B: Backend>(x: FloatTensor<B>, pads: (usize, usize, usize, usize)) -> 
     prim(tensor::<B, 4>(x).pad(pads, PadMode::Constant(0.0)))
 }
 
-/// A dense convolution as [`pointwise`] or Burn's; a depthwise one as
+/// A dense convolution as a matrix product (1x1, stride 1) or Burn's; a depthwise one as
 /// [`SsdBackend::depthwise_conv`], then the bias.
 pub fn conv_same<B: SsdBackend>(
     x: FloatTensor<B>,
