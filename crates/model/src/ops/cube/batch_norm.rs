@@ -1,9 +1,10 @@
 //! Training-mode BatchNorm + ReLU6 and its backward pass as CubeCL kernels, two launches each
 //! way: the per-channel sums by one cube per channel, then the element-wise part by one cube
 //! per plane (`[n, c]`); each unit walks a strided share of the planes, so none divides to
-//! find its channel. Burn's
-//! operations take six to eight kernels for the same (fused element-wise kernels that
-//! recompute every value's channel from its index, and separate reductions).
+//! find its channel. Burn's operations take separate reductions and fused element-wise
+//! kernels around them, which recompute every value's channel from its index (on lavapipe,
+//! one training step's fused element-wise kernels took 8.0 s before these and 1.1 s after,
+//! docs/src/performance.md).
 //!
 //! The formulas are [`reference`](crate::ops::reference)'s: `z = (x - mean) * scale + beta`
 //! with `scale = gamma / sqrt(variance + epsilon)`, computed the same way forward and

@@ -3,7 +3,8 @@
 //! ([`depthwise`]), which Burn without autotuning runs as grouped direct convolutions compiled
 //! per layer geometry (and, for the gradients, as transposed and dilated ones); training-mode
 //! BatchNorm + ReLU6 and its backward pass ([`batch_norm`]), two launches each way where
-//! Burn's operations take six to eight. Burn's fusion wrapper hands them to the backend
+//! Burn's operations take separate reductions and fused element-wise kernels around them.
+//! Burn's fusion wrapper hands them to the backend
 //! underneath as custom operations (`fusion`).
 
 pub mod batch_norm;
