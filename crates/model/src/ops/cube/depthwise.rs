@@ -194,17 +194,16 @@ fn filter_grad_kernel<F: Float>(
     }
 }
 
-/// The output size and the top / left pads of a SAME convolution of `x` by a `kernel`-wide
-/// filter.
-fn geometry<R: CubeRuntime>(
-    x: &CubeTensor<R>,
-    kernel: usize,
-    stride: usize,
-) -> ([usize; 2], [u32; 2]) {
-    let [_, _, h, w] = x.shape().dims();
+/// The output shape and the top / left pads of a depthwise SAME convolution of an input
+/// `x_shape [batch, channels, h, w]` by a `kernel`-wide filter.
+pub(super) fn geometry(x_shape: &Shape, kernel: usize, stride: usize) -> (Shape, [u32; 2]) {
+    let [batch, channels, h, w] = x_shape.dims();
     let (rows, top, _) = same_padding(h, kernel, stride);
     let (cols, left, _) = same_padding(w, kernel, stride);
-    ([rows, cols], [top as u32, left as u32])
+    (
+        Shape::new([batch, channels, rows, cols]),
+        [top as u32, left as u32],
+    )
 }
 
 /// One cube of [`UNITS`] per plane `[n, c]` of `out [batch, channels, h, w]`.
@@ -222,15 +221,9 @@ pub fn forward<R: CubeRuntime>(
     weight: CubeTensor<R>,
     stride: usize,
 ) -> CubeTensor<R> {
-    let [batch, channels, _, _] = x.shape().dims();
     let kernel = weight.shape().dims::<4>()[2];
-    let ([rows, cols], [top, left]) = geometry(&x, kernel, stride);
-    let y = empty_device_dtype(
-        x.client.clone(),
-        x.device.clone(),
-        Shape::new([batch, channels, rows, cols]),
-        x.dtype,
-    );
+    let (out_shape, [top, left]) = geometry(&x.shape(), kernel, stride);
+    let y = empty_device_dtype(x.client.clone(), x.device.clone(), out_shape, x.dtype);
     let (count, dim) = plane_cubes(&y);
     let dtype = x.dtype;
     forward_kernel::launch::<R>(
@@ -257,9 +250,7 @@ pub fn input_grad<R: CubeRuntime>(
     stride: usize,
 ) -> CubeTensor<R> {
     let kernel = weight.shape().dims::<4>()[2];
-    let [_, _, h, w] = x_shape.dims();
-    let (_, top, _) = same_padding(h, kernel, stride);
-    let (_, left, _) = same_padding(w, kernel, stride);
+    let (_, [top, left]) = geometry(&x_shape, kernel, stride);
     let dx = empty_device_dtype(
         grad.client.clone(),
         grad.device.clone(),
@@ -276,8 +267,8 @@ pub fn input_grad<R: CubeRuntime>(
         weight.into_tensor_arg(),
         dx.clone().into_tensor_arg(),
         stride as u32,
-        top as u32,
-        left as u32,
+        top,
+        left,
         UNITS,
         dtype.into(),
     );
@@ -293,7 +284,7 @@ pub fn filter_grad<R: CubeRuntime>(
     stride: usize,
 ) -> CubeTensor<R> {
     let channels = x.shape().dims::<4>()[1];
-    let (_, [top, left]) = geometry(&x, kernel, stride);
+    let (_, [top, left]) = geometry(&x.shape(), kernel, stride);
     let dweight = empty_device_dtype(
         x.client.clone(),
         x.device.clone(),

@@ -10,6 +10,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
+use super::depthwise;
 use crate::ops::{BatchNormGrads, BatchNormOutput, SsdBackend};
 
 impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
@@ -18,7 +19,8 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
         weight: FloatTensor<Self>,
         stride: usize,
     ) -> FloatTensor<Self> {
-        let out = shape_of_output(&x, &weight, stride);
+        let kernel = weight.shape().dims::<4>()[2];
+        let (out, _) = depthwise::geometry(&x.shape(), kernel, stride);
         let mut outputs = register::<B, 2>(
             "ssd_depthwise_conv",
             [x, weight],
@@ -89,17 +91,6 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
     fn copies_device_to_device() -> bool {
         B::copies_device_to_device()
     }
-}
-
-/// The output shape of a SAME convolution of `x` by `weight` (its channels: the filter's).
-fn shape_of_output<R: FusionRuntime>(
-    x: &burn_fusion::FusionTensor<R>,
-    weight: &burn_fusion::FusionTensor<R>,
-    stride: usize,
-) -> burn::tensor::Shape {
-    let [batch, _, h, w] = x.shape().dims();
-    let [channels, ..] = weight.shape().dims::<4>();
-    burn::tensor::Shape::new([batch, channels, h.div_ceil(stride), w.div_ceil(stride)])
 }
 
 /// The three outputs of an operation that has three.
