@@ -13,7 +13,7 @@ use crate::config::BatchNormConfig as BnSettings;
 use crate::fake_quant::{ActivationRange, folded_unit};
 use crate::ops::{
     SsdBackend, affine_relu6, batch_norm_relu6, conv_affine_relu6, conv_same,
-    depthwise_between_batch_norms,
+    depthwise_between_batch_norms, moving_average,
 };
 
 /// Shape and initialisation of one convolution.
@@ -88,7 +88,7 @@ pub(crate) fn apply_conv<B: SsdBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Te
 
 /// BatchNorm as slim's `batch_norm` computes it with TF's fused kernel (`FusedBatchNormV3`,
 /// what the API's graphs run): batch statistics with the biased variance in training, and
-/// moving averages `m <- decay m + (1 - decay) v` for inference, where `v` is the batch mean
+/// moving averages `m <- m - (m - v) (1 - decay)` for inference, where `v` is the batch mean
 /// and the unbiased batch variance (`n / (n - 1)` times the biased one over the `n` values
 /// of a channel; checked against TF's training step, `crates/train/tests/tf_step.rs`).
 ///
@@ -171,8 +171,8 @@ impl<B: SsdBackend> BatchNorm<B> {
     }
 
     /// Moves the moving averages towards a training batch's statistics over `count` values
-    /// per channel: `m <- decay m + (1 - decay) batch`, the biased batch `variance` made
-    /// unbiased first (TF's fused kernel: `n / max(n - 1, 1)`).
+    /// per channel: `m <- m - (m - batch) (1 - decay)` (TF's `assign_moving_average`), the
+    /// biased batch `variance` made unbiased first (TF's fused kernel: `n / max(n - 1, 1)`).
     pub(crate) fn update_moving_stats(
         &self,
         mean: Tensor<B, 1>,
@@ -183,9 +183,7 @@ impl<B: SsdBackend> BatchNorm<B> {
         let keep = self.decay;
         let update = |state: &RunningState<Tensor<B, 1>>, batch_value: Tensor<B, 1>| {
             let moving = state.value_sync().to_device(&batch_value.device());
-            state.update(
-                (moving.mul_scalar(keep) + batch_value.detach().mul_scalar(1.0 - keep)).detach(),
-            );
+            state.update(moving_average(moving, batch_value.detach(), keep as f32));
         };
         update(&self.moving_mean, mean);
         update(&self.moving_variance, variance);

@@ -159,6 +159,20 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
         B::copies_device_to_device()
     }
 
+    /// The inner backend's, with no graph: an update (BatchNorm's moving statistics) has no
+    /// gradient, and the generic version would record its element-wise operations.
+    fn moving_average(
+        average: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        keep: f32,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::moving_average(
+            Self::inner(average),
+            Self::inner(value),
+            keep,
+        ))
+    }
+
     fn sigmoid_cross_entropy(
         logits: FloatTensor<Self>,
         labels: FloatTensor<Self>,

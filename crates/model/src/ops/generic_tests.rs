@@ -311,12 +311,15 @@ fn inference_and_update_case<B: SsdBackend>(seed: u64) -> Outcome {
         decay: 0.9,
         epsilon: 1.0,
     };
-    let grad = t([4, 6, 3, 3], 7);
-    let slots = [weight.clone(), t([4, 6, 3, 3], 8).abs(), t([4, 6, 3, 3], 9)];
+    // more values than a GPU cube (256 units) takes, and not a multiple of it
+    let update_shape = [40, 30, 3, 3];
+    let grad = t(update_shape, 7);
+    let param = t(update_shape, 10);
+    let slots = [param.clone(), t(update_shape, 8).abs(), t(update_shape, 9)];
     let mut out = vec![
         values(conv_affine_relu6(
             x.clone(),
-            (weight.clone(), 2, false),
+            (weight, 2, false),
             [scale.clone(), shift.clone()],
         )),
         values(conv_affine_relu6(
@@ -325,9 +328,9 @@ fn inference_and_update_case<B: SsdBackend>(seed: u64) -> Outcome {
             [s6.clone(), h6.clone()],
         )),
         values(affine_relu6(x.mul_scalar(4.0), s6, h6)),
-        values(half_squared_norm(weight.clone())),
-        values(add_scaled(grad.clone(), weight.clone(), 0.5)),
-        values(moving_average(weight, grad.clone(), 0.99)),
+        values(half_squared_norm(param.clone())),
+        values(add_scaled(grad.clone(), param.clone(), 0.5)),
+        values(moving_average(param, grad.clone(), 0.99)),
     ];
     out.extend(rmsprop_update(slots, grad, step).map(values));
     out

@@ -3,10 +3,11 @@
 //! Shapes, strides and pads are runtime arguments and every tensor is read through its own
 //! strides, so each kernel compiles once per float type for the whole network (Burn's
 //! grouped convolutions compile per layer geometry and copy their operands to channels-last
-//! first). A cube of 256 units takes one plane `[n, c]` (one filter tap for the filter
-//! gradient), each unit a strided share of its positions, with the tensors' strides and
-//! sizes read once. Positions are written in padded coordinates (`row = out_row * stride + tap`), so
-//! the bounds tests need no signed arithmetic.
+//! first). A cube of 256 units takes one plane `[n, c]`, each unit a strided share of its
+//! positions, with the tensors' strides and sizes read once; the filter gradient sums each
+//! image's share per tap in the cube, then the images' shares in a second kernel. Positions
+//! are written in padded coordinates (`row = out_row * stride + tap`), so the bounds tests
+//! need no signed arithmetic.
 
 use burn::tensor::{Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
@@ -15,7 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::server::CubeCountSelection;
 
-use super::sums::{UNITS, cube_sum};
+use super::sums::{UNITS, cube_sum, sum_partials};
 use crate::ops::cpu::same_padding;
 
 /// `y[n, c, i, j] = sum over the taps of x[n, c, i s + ky - top, j s + kx - left] w[c, 0, ky, kx]`,
@@ -134,35 +135,37 @@ fn input_grad_kernel<F: Float>(
     }
 }
 
-/// `dw[c, 0, ky, kx] = sum over n, i, j of x[n, c, i s + ky - top, j s + kx - left] grad[n, c, i, j]`,
-/// one cube per filter tap: each unit sums a strided share of each image's outputs, then the
-/// cube adds the shares.
+/// `dw[n][c, 0, ky, kx] = sum over i, j of x[n, c, i s + ky - top, j s + kx - left] grad[n, c, i, j]`
+/// (one image's share of the filter gradient), one cube per plane `[n, c]`: each unit takes a
+/// strided share of the outputs, adding each output's gradient times the `kernel^2` inputs it
+/// saw to one sum per tap, so the plane is read once; then the cube adds the shares tap by tap.
+/// Compiled once per filter size (the sums are registers), 3 for every layer of this network.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn filter_grad_kernel<F: Float>(
     x: &Tensor<F>,
     grad: &Tensor<F>,
-    dweight: &mut Tensor<F>,
+    partials: &mut Tensor<F>,
     stride: u32,
     pad_top: u32,
     pad_left: u32,
+    #[comptime] kernel: u32,
     #[comptime] units: u32,
     #[define(F)] _dtype: StorageType,
 ) {
+    let channels = grad.shape(1);
     // uniform over the cube: the whole cube leaves or none of it
-    if CUBE_POS >= dweight.len() {
+    if CUBE_POS >= grad.shape(0) * channels {
         terminate!();
     }
-    let kernel = dweight.shape(3);
-    let kx = CUBE_POS % kernel;
-    let ky = (CUBE_POS / kernel) % kernel;
-    let c = CUBE_POS / (kernel * kernel);
-    let x_image = x.stride(0);
+    let n = CUBE_POS / channels;
+    let c = CUBE_POS - n * channels;
+    let x_plane = n * x.stride(0) + c * x.stride(1);
     let x_row = x.stride(2);
     let x_col = x.stride(3);
     let height = x.shape(2);
     let width = x.shape(3);
-    let g_image = grad.stride(0);
+    let g_plane = n * grad.stride(0) + c * grad.stride(1);
     let g_row = grad.stride(2);
     let g_col = grad.stride(3);
     let cols = grad.shape(3);
@@ -170,27 +173,41 @@ fn filter_grad_kernel<F: Float>(
     let step = stride as usize;
     let top = pad_top as usize;
     let left = pad_left as usize;
-    let mut sum = F::new(0.0);
-    for n in 0..grad.shape(0) {
-        let x_plane = n * x_image + c * x.stride(1);
-        let g_plane = n * g_image + c * grad.stride(1);
-        let mut p = UNIT_POS as usize;
-        while p < plane {
-            let i = p / cols;
-            let j = p - i * cols;
+    let k = comptime!(kernel as usize);
+    let taps = comptime!((kernel * kernel) as usize);
+    let mut sums = Array::<F>::new(taps);
+    #[unroll]
+    for t in 0..taps {
+        sums[t] = F::new(0.0);
+    }
+    let mut p = UNIT_POS as usize;
+    while p < plane {
+        let i = p / cols;
+        let j = p - i * cols;
+        let g = grad[g_plane + i * g_row + j * g_col];
+        #[unroll]
+        for ky in 0..k {
             let row = i * step + ky;
-            let col = j * step + kx;
-            if row >= top && row - top < height && col >= left && col - left < width {
-                let pixel = x_plane + (row - top) * x_row + (col - left) * x_col;
-                sum += x[pixel] * grad[g_plane + i * g_row + j * g_col];
+            if row >= top && row - top < height {
+                let x_at = x_plane + (row - top) * x_row;
+                #[unroll]
+                for kx in 0..k {
+                    let col = j * step + kx;
+                    if col >= left && col - left < width {
+                        sums[ky * k + kx] += x[x_at + (col - left) * x_col] * g;
+                    }
+                }
             }
-            p += units as usize;
         }
+        p += units as usize;
     }
     let mut shares = SharedMemory::<F>::new(units as usize);
-    let total = cube_sum(&mut shares, sum);
-    if UNIT_POS == 0 {
-        dweight[CUBE_POS] = total;
+    #[unroll]
+    for t in 0..taps {
+        let total = cube_sum(&mut shares, sums[t]);
+        if UNIT_POS == 0 {
+            partials[CUBE_POS * taps + t] = total;
+        }
     }
 }
 
@@ -283,29 +300,30 @@ pub fn filter_grad<R: CubeRuntime>(
     kernel: usize,
     stride: usize,
 ) -> CubeTensor<R> {
-    let channels = x.shape().dims::<4>()[1];
+    let [batch, channels, _, _] = x.shape().dims();
     let (_, [top, left]) = geometry(&x.shape(), kernel, stride);
-    let dweight = empty_device_dtype(
+    let shape = Shape::new([channels, 1, kernel, kernel]);
+    let partials = empty_device_dtype(
         x.client.clone(),
         x.device.clone(),
-        Shape::new([channels, 1, kernel, kernel]),
+        Shape::new([batch * channels, 1, kernel, kernel]),
         x.dtype,
     );
-    let taps = (channels * kernel * kernel) as u32;
-    let count = CubeCountSelection::new(&x.client, taps).cube_count();
+    let (count, dim) = plane_cubes(&grad);
     let dtype = x.dtype;
     filter_grad_kernel::launch::<R>(
-        &dweight.client,
+        &partials.client,
         count,
-        CubeDim::new_1d(UNITS),
+        dim,
         x.into_tensor_arg(),
         grad.into_tensor_arg(),
-        dweight.clone().into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
         stride as u32,
         top,
         left,
+        kernel as u32,
         UNITS,
         dtype.into(),
     );
-    dweight
+    sum_partials(partials, batch, shape)
 }

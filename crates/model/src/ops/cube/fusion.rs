@@ -11,7 +11,9 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use super::depthwise;
-use crate::ops::{BatchNormGrads, BatchNormOutput, SsdBackend};
+use crate::ops::{
+    BatchNormGrads, BatchNormOutput, RmsPropState, RmsPropStep, SsdBackend, reference,
+};
 
 impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
     fn depthwise_conv(
@@ -88,6 +90,68 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
         BatchNormGrads { x, gamma, beta }
     }
 
+    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let one = burn::tensor::Shape::new([1]);
+        let mut outputs = register::<B, 1>(
+            "ssd_half_squared_norm",
+            [x],
+            vec![one],
+            Custom::HalfSquaredNorm,
+        );
+        outputs.remove(0)
+    }
+
+    fn add_scaled(x: FloatTensor<Self>, y: FloatTensor<Self>, alpha: f32) -> FloatTensor<Self> {
+        let shape = x.shape();
+        if shape != y.shape() {
+            return reference::add_scaled::<Self>(x, y, alpha);
+        }
+        let mut outputs = register::<B, 2>(
+            "ssd_add_scaled",
+            [x, y],
+            vec![shape],
+            Custom::AddScaled { alpha },
+        );
+        outputs.remove(0)
+    }
+
+    fn rmsprop_update(
+        state: RmsPropState<Self>,
+        grad: FloatTensor<Self>,
+        step: RmsPropStep,
+    ) -> RmsPropState<Self> {
+        let shape = state.weights.shape();
+        let inputs = [state.weights, state.mean_square, state.momentum, grad];
+        let outputs = vec![shape.clone(), shape.clone(), shape];
+        let tensors = register::<B, 4>(
+            "ssd_rmsprop_update",
+            inputs,
+            outputs,
+            Custom::RmsProp { step },
+        );
+        let [weights, mean_square, momentum] = three(tensors);
+        RmsPropState {
+            weights,
+            mean_square,
+            momentum,
+        }
+    }
+
+    fn moving_average(
+        average: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        keep: f32,
+    ) -> FloatTensor<Self> {
+        let shape = average.shape();
+        let mut outputs = register::<B, 2>(
+            "ssd_moving_average",
+            [average, value],
+            vec![shape],
+            Custom::MovingAverage { keep },
+        );
+        outputs.remove(0)
+    }
+
     fn copies_device_to_device() -> bool {
         B::copies_device_to_device()
     }
@@ -142,6 +206,15 @@ enum Custom {
     /// [`SsdBackend::batch_norm_relu6_backward`] of inputs `[x, grad, gamma, beta, mean,
     /// variance]`: outputs the gradients of `[x, gamma, beta]`.
     BatchNormBackward { epsilon: f64 },
+    /// [`SsdBackend::half_squared_norm`] of input `[x]`.
+    HalfSquaredNorm,
+    /// [`SsdBackend::add_scaled`] of inputs `[x, y]`.
+    AddScaled { alpha: f32 },
+    /// [`SsdBackend::rmsprop_update`] of inputs `[weights, mean_square, momentum, grad]`:
+    /// outputs the new `[weights, mean_square, momentum]`.
+    RmsProp { step: RmsPropStep },
+    /// [`SsdBackend::moving_average`] of inputs `[average, value]`.
+    MovingAverage { keep: f32 },
 }
 
 /// A custom operation in the fusion stream: runs [`Custom`] on the backend `B` underneath.
@@ -191,6 +264,19 @@ impl<B: FusionBackend + SsdBackend> Operation<B::FusionRuntime> for CustomOp<B> 
                     B::batch_norm_relu6_backward(x, grad, gamma, beta, mean, variance, epsilon);
                 vec![out.x, out.gamma, out.beta]
             }
+            Custom::HalfSquaredNorm => vec![B::half_squared_norm(input())],
+            Custom::AddScaled { alpha } => vec![B::add_scaled(input(), input(), alpha)],
+            Custom::RmsProp { step } => {
+                let (weights, mean_square, momentum) = (input(), input(), input());
+                let state = RmsPropState {
+                    weights,
+                    mean_square,
+                    momentum,
+                };
+                let out = B::rmsprop_update(state, input(), step);
+                vec![out.weights, out.mean_square, out.momentum]
+            }
+            Custom::MovingAverage { keep } => vec![B::moving_average(input(), input(), keep)],
         };
         for (ir, tensor) in self.desc.outputs.iter().zip(outputs) {
             handles.register_float_tensor::<B>(&ir.id, tensor);

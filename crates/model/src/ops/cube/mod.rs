@@ -3,20 +3,22 @@
 //! ([`depthwise`]), which Burn without autotuning runs as grouped direct convolutions compiled
 //! per layer geometry (and, for the gradients, as transposed and dilated ones); training-mode
 //! BatchNorm + ReLU6 and its backward pass ([`batch_norm`]), two launches each way where
-//! Burn's operations take separate reductions and fused element-wise kernels around them.
-//! Burn's fusion wrapper hands them to the backend
-//! underneath as custom operations (`fusion`).
+//! Burn's operations take separate reductions and fused element-wise kernels around them;
+//! the optimizer's per-parameter arithmetic ([`updates`]), which fusion would join into a
+//! different kernel for every group of parameters. Burn's fusion wrapper hands them to the
+//! backend underneath as custom operations (`fusion`).
 
 pub mod batch_norm;
 pub mod depthwise;
 mod fusion;
 mod sums;
+pub mod updates;
 
 use burn::tensor::TensorMetadata;
 use burn::tensor::ops::FloatTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::{BatchNormGrads, BatchNormOutput, SsdBackend};
+use super::{BatchNormGrads, BatchNormOutput, RmsPropState, RmsPropStep, SsdBackend, reference};
 
 impl<R, F, I, BT> SsdBackend for CubeBackend<R, F, I, BT>
 where
@@ -67,6 +69,39 @@ where
         let [x, gamma, beta] =
             batch_norm::backward([x, grad], [gamma, beta, mean, variance], epsilon);
         BatchNormGrads { x, gamma, beta }
+    }
+
+    fn half_squared_norm(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        updates::half_squared_norm(x)
+    }
+
+    fn add_scaled(x: FloatTensor<Self>, y: FloatTensor<Self>, alpha: f32) -> FloatTensor<Self> {
+        if x.shape() != y.shape() {
+            return reference::add_scaled::<Self>(x, y, alpha);
+        }
+        updates::add_scaled(x, y, alpha)
+    }
+
+    fn rmsprop_update(
+        state: RmsPropState<Self>,
+        grad: FloatTensor<Self>,
+        step: RmsPropStep,
+    ) -> RmsPropState<Self> {
+        let state = [state.weights, state.mean_square, state.momentum];
+        let [weights, mean_square, momentum] = updates::rmsprop(state, grad, step);
+        RmsPropState {
+            weights,
+            mean_square,
+            momentum,
+        }
+    }
+
+    fn moving_average(
+        average: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        keep: f32,
+    ) -> FloatTensor<Self> {
+        updates::moving_average(average, value, keep)
     }
 
     fn copies_device_to_device() -> bool {
