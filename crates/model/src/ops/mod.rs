@@ -114,6 +114,22 @@ pub struct RmsPropState<B: Backend> {
     pub momentum: FloatTensor<B>,
 }
 
+impl<B: Backend> RmsPropState<B> {
+    /// `[weights, mean_square, momentum]`, the order the GPU kernels take and give them in.
+    pub fn into_array(self) -> [FloatTensor<B>; 3] {
+        [self.weights, self.mean_square, self.momentum]
+    }
+
+    /// The state from `[weights, mean_square, momentum]`.
+    pub fn from_array([weights, mean_square, momentum]: [FloatTensor<B>; 3]) -> Self {
+        Self {
+            weights,
+            mean_square,
+            momentum,
+        }
+    }
+}
+
 /// A backend that runs the network's layers; see the module documentation.
 pub trait SsdBackend: Backend {
     /// Convolution of `x [batch, in, h, w]` with TF "SAME" padding (extra row/column at the

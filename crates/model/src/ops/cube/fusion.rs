@@ -121,7 +121,8 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
         step: RmsPropStep,
     ) -> RmsPropState<Self> {
         let shape = state.weights.shape();
-        let inputs = [state.weights, state.mean_square, state.momentum, grad];
+        let [weights, mean_square, momentum] = state.into_array();
+        let inputs = [weights, mean_square, momentum, grad];
         let outputs = vec![shape.clone(), shape.clone(), shape];
         let tensors = register::<B, 4>(
             "ssd_rmsprop_update",
@@ -129,12 +130,7 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
             outputs,
             Custom::RmsProp { step },
         );
-        let [weights, mean_square, momentum] = three(tensors);
-        RmsPropState {
-            weights,
-            mean_square,
-            momentum,
-        }
+        RmsPropState::from_array(three(tensors))
     }
 
     fn moving_average(
@@ -267,14 +263,8 @@ impl<B: FusionBackend + SsdBackend> Operation<B::FusionRuntime> for CustomOp<B> 
             Custom::HalfSquaredNorm => vec![B::half_squared_norm(input())],
             Custom::AddScaled { alpha } => vec![B::add_scaled(input(), input(), alpha)],
             Custom::RmsProp { step } => {
-                let (weights, mean_square, momentum) = (input(), input(), input());
-                let state = RmsPropState {
-                    weights,
-                    mean_square,
-                    momentum,
-                };
-                let out = B::rmsprop_update(state, input(), step);
-                vec![out.weights, out.mean_square, out.momentum]
+                let state = RmsPropState::from_array([input(), input(), input()]);
+                B::rmsprop_update(state, input(), step).into_array().into()
             }
             Custom::MovingAverage { keep } => vec![B::moving_average(input(), input(), keep)],
         };

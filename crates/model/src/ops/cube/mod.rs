@@ -87,13 +87,7 @@ where
         grad: FloatTensor<Self>,
         step: RmsPropStep,
     ) -> RmsPropState<Self> {
-        let state = [state.weights, state.mean_square, state.momentum];
-        let [weights, mean_square, momentum] = updates::rmsprop(state, grad, step);
-        RmsPropState {
-            weights,
-            mean_square,
-            momentum,
-        }
+        RmsPropState::from_array(updates::rmsprop(state.into_array(), grad, step))
     }
 
     fn moving_average(
