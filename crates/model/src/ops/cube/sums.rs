@@ -68,11 +68,11 @@ pub fn sum_partials<R: CubeRuntime>(
         return burn_cubecl::ops::reshape(partials, shape);
     }
     let out = empty_device_dtype(client.clone(), partials.device.clone(), shape, dtype);
-    let cubes = out.shape().num_elements().div_ceil(UNITS as usize).max(1);
+    let (count, dim) = per_value(&out);
     sum_partials_kernel::launch::<R>(
         &client,
-        CubeCountSelection::new(&client, cubes as u32).cube_count(),
-        CubeDim::new_1d(UNITS),
+        count,
+        dim,
         partials.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         parts as u32,
@@ -80,4 +80,11 @@ pub fn sum_partials<R: CubeRuntime>(
         dtype.into(),
     );
     out
+}
+
+/// One unit per value of `x`, in cubes of [`UNITS`]: the launch of the element-wise kernels.
+pub fn per_value<R: CubeRuntime>(x: &CubeTensor<R>) -> (CubeCount, CubeDim) {
+    let cubes = x.shape().num_elements().div_ceil(UNITS as usize).max(1);
+    let count = CubeCountSelection::new(&x.client, cubes as u32).cube_count();
+    (count, CubeDim::new_1d(UNITS))
 }

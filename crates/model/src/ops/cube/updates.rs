@@ -14,9 +14,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-use cubecl::server::CubeCountSelection;
 
-use super::sums::{UNITS, cube_sum};
+use super::sums::{UNITS, cube_sum, per_value};
 use crate::ops::RmsPropStep;
 
 /// `ms' = decay ms + (1 - decay) g^2`, `mom' = momentum mom + lr g / sqrt(ms' + epsilon)`,
@@ -105,13 +104,6 @@ fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
         like.shape(),
         like.dtype,
     )
-}
-
-/// One unit per value of `x`, in cubes of [`UNITS`].
-fn per_value<R: CubeRuntime>(x: &CubeTensor<R>) -> (CubeCount, CubeDim) {
-    let cubes = x.shape().num_elements().div_ceil(UNITS as usize).max(1);
-    let count = CubeCountSelection::new(&x.client, cubes as u32).cube_count();
-    (count, CubeDim::new_1d(UNITS))
 }
 
 /// `[weights, mean_square, momentum]` after one RMSProp update with `grad`.
