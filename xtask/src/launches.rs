@@ -17,7 +17,7 @@ use burn::cubecl::config::autotune::AutotuneLogLevel;
 use burn::cubecl::config::compilation::CompilationLogLevel;
 use burn::cubecl::config::profiling::ProfilingLogLevel;
 use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Tensor, TensorData};
 use model::inference::postprocess;
 use model::ops::SsdBackend;
 use model::ssd::anchors;
@@ -259,8 +259,11 @@ impl BackendJob for FirstInference<'_> {
         let model = &self.config.model;
         let net = model.init::<B>(0, &device)?;
         let [h, w] = model.image_size;
-        let images =
-            Tensor::<B, 4>::random([1, 3, h, w], Distribution::Uniform(-1.0, 1.0), &device);
+        // an image arrives from the host, as in `train eval` and `detect`
+        let pixels = (0..3 * h * w)
+            .map(|i| (i % 255) as f32 / 127.5 - 1.0)
+            .collect();
+        let images = Tensor::<B, 4>::from_data(TensorData::new(pixels, [1, 3, h, w]), &device);
         let predictions = net.forward(images);
         std::hint::black_box(postprocess(model, &anchors(model), &predictions));
         Ok(())

@@ -36,8 +36,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor};
 
 use crate::config::QuantizationConfig;
-use crate::layers::ConvBnRelu6;
-use crate::ops::{SsdBackend, conv_same};
+use crate::layers::{ConvBnRelu6, set_running};
+use crate::ops::{SsdBackend, conv_same, filled};
 
 /// Decay of the activation ranges' moving averages (`ema_decay` of `contrib.quantize`).
 const RANGE_DECAY: f32 = 0.999;
@@ -95,8 +95,8 @@ impl<B: Backend> ActivationRange<B> {
     /// `[-6, 6]` elsewhere, but the debiased average discards the start at the first update.)
     pub(crate) fn new(rule: FakeQuant, device: &B::Device) -> Self {
         Self {
-            biased: RunningState::new(Tensor::zeros([2], device)),
-            updates: RunningState::new(Tensor::zeros([1], device)),
+            biased: RunningState::new(filled([2], 0.0, device)),
+            updates: RunningState::new(filled([1], 0.0, device)),
             rule,
         }
     }
@@ -104,7 +104,7 @@ impl<B: Backend> ActivationRange<B> {
     /// The range `[min, max]` learned so far (read back from the device); `None` before the
     /// first training step.
     pub fn learned(&self) -> Option<[f32; 2]> {
-        let updates: f32 = synced(&self.updates).into_scalar().elem();
+        let updates: f32 = self.updates.value().into_scalar().elem();
         if updates < 0.5 {
             return None;
         }
@@ -117,14 +117,13 @@ impl<B: Backend> ActivationRange<B> {
     /// The `[min, max]` moving averages before debiasing, as they stand after the last
     /// update on any thread.
     pub fn biased(&self) -> Tensor<B, 1> {
-        synced(&self.biased)
+        self.biased.value()
     }
 
     /// Replaces the moving averages before debiasing (`[2]`), e.g. with their mean over
     /// replicas.
     pub fn set_biased(&self, biased: Tensor<B, 1>) {
-        self.biased.update(biased);
-        self.biased.value_sync();
+        set_running(&self.biased, biased);
     }
 
     /// Moves the range towards `x`'s and fake-quantizes `x` over it when the quantization is
@@ -145,11 +144,11 @@ impl<B: Backend> ActivationRange<B> {
         let batch = batch_range(&xs, self.rule.symmetric, false);
         let biased = self
             .biased
-            .value_sync()
+            .value()
             .to_device(&device)
             .mul_scalar(RANGE_DECAY)
             + batch.mul_scalar(1.0 - RANGE_DECAY);
-        let updates = self.updates.value_sync().to_device(&device).add_scalar(1.0);
+        let updates = self.updates.value().to_device(&device).add_scalar(1.0);
         // 1 - decay^t, as exp(t ln decay) on the device (no read back)
         let debias = updates
             .clone()
@@ -158,8 +157,8 @@ impl<B: Backend> ActivationRange<B> {
             .neg()
             .add_scalar(1.0);
         let range = biased.clone() / debias;
-        self.biased.update(biased.detach());
-        self.updates.update(updates.detach());
+        set_running(&self.biased, biased.detach());
+        set_running(&self.updates, updates.detach());
         if !self.rule.active {
             return xs;
         }
@@ -200,12 +199,6 @@ pub(crate) fn quantized_heads<B: SsdBackend>(
         })
         .collect();
     range.quantize_together(outputs)
-}
-
-/// `state`'s value with the pending update of every thread applied (a forward pass may run
-/// on a pool thread; `value_sync` applies only the calling thread's), as a checkpoint reads it.
-fn synced<B: Backend, const D: usize>(state: &RunningState<Tensor<B, D>>) -> Tensor<B, D> {
-    state.clone().into_record().val()
 }
 
 /// `[min, max]` over the tensors `xs` (no gradient), widened as `quant_ops` widens a batch

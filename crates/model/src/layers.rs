@@ -1,7 +1,7 @@
 //! Building blocks: TF-"SAME" convolutions initialised from a truncated normal, and the
 //! convolution + BatchNorm + ReLU6 unit every MobileNet and extra layer is made of.
 
-use burn::module::{Module, Param, RunningState};
+use burn::module::{Module, Param, ParamId, RunningState};
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::tensor::backend::Backend;
@@ -13,7 +13,7 @@ use crate::config::BatchNormConfig as BnSettings;
 use crate::fake_quant::{ActivationRange, folded_unit};
 use crate::ops::{
     SsdBackend, affine_relu6, batch_norm_relu6, conv_affine_relu6, conv_same,
-    depthwise_between_batch_norms, moving_average,
+    depthwise_between_batch_norms, filled, moving_average,
 };
 
 /// Shape and initialisation of one convolution.
@@ -65,10 +65,7 @@ impl ConvSpec {
         let values = truncated_normal(shape.iter().product(), self.init_stddev, rng);
         conv.weight = Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device));
         if self.bias {
-            conv.bias = Some(Param::from_tensor(Tensor::zeros(
-                [self.out_channels],
-                device,
-            )));
+            conv.bias = Some(Param::from_tensor(filled([self.out_channels], 0.0, device)));
         }
         conv
     }
@@ -112,10 +109,10 @@ pub struct BatchNorm<B: Backend> {
 impl<B: Backend> BatchNorm<B> {
     fn new(channels: usize, settings: &BnSettings, device: &B::Device) -> Self {
         Self {
-            gamma: Param::from_tensor(Tensor::ones([channels], device)),
-            beta: Param::from_tensor(Tensor::zeros([channels], device)),
-            moving_mean: RunningState::new(Tensor::zeros([channels], device)),
-            moving_variance: RunningState::new(Tensor::ones([channels], device)),
+            gamma: Param::from_tensor(filled([channels], 1.0, device)),
+            beta: Param::from_tensor(filled([channels], 0.0, device)),
+            moving_mean: RunningState::new(filled([channels], 0.0, device)),
+            moving_variance: RunningState::new(filled([channels], 1.0, device)),
             epsilon: settings.epsilon,
             decay: settings.decay,
         }
@@ -123,18 +120,13 @@ impl<B: Backend> BatchNorm<B> {
 
     /// The moving mean and variance.
     pub fn moving_stats(&self) -> (Tensor<B, 1>, Tensor<B, 1>) {
-        (
-            self.moving_mean.value_sync(),
-            self.moving_variance.value_sync(),
-        )
+        (self.moving_mean.value(), self.moving_variance.value())
     }
 
     /// Replaces the moving mean and variance (e.g. with their average over replicas).
     pub fn set_moving_stats(&self, mean: Tensor<B, 1>, variance: Tensor<B, 1>) {
-        self.moving_mean.update(mean);
-        self.moving_mean.value_sync();
-        self.moving_variance.update(variance);
-        self.moving_variance.value_sync();
+        set_running(&self.moving_mean, mean);
+        set_running(&self.moving_variance, variance);
     }
 }
 
@@ -179,15 +171,32 @@ impl<B: SsdBackend> BatchNorm<B> {
         variance: Tensor<B, 1>,
         count: usize,
     ) {
-        let variance = variance.mul_scalar(count as f64 / count.saturating_sub(1).max(1) as f64);
-        let keep = self.decay;
-        let update = |state: &RunningState<Tensor<B, 1>>, batch_value: Tensor<B, 1>| {
-            let moving = state.value_sync().to_device(&batch_value.device());
-            state.update(moving_average(moving, batch_value.detach(), keep as f32));
+        // in the update's kernel: a multiply of its own would be a launch per BatchNorm
+        let unbiased = (count as f64 / count.saturating_sub(1).max(1) as f64) as f32;
+        let keep = self.decay as f32;
+        let update = |state: &RunningState<Tensor<B, 1>>, batch: Tensor<B, 1>, scale| {
+            let moving = state.value().to_device(&batch.device());
+            set_running(state, moving_average(moving, batch.detach(), scale, keep));
         };
-        update(&self.moving_mean, mean);
-        update(&self.moving_variance, variance);
+        update(&self.moving_mean, mean, 1.0);
+        update(&self.moving_variance, variance, unbiased);
     }
+}
+
+/// Sets `state` to `value`, for it and every clone of it (they share the value).
+///
+/// Not `RunningState::update`: that queues a value per thread and averages the queue at the
+/// next read, a `value / 1` for the one writer every state here has, which fusion joins with
+/// its neighbours into a different kernel for every grouping (13 of a cold pets step's
+/// compilations, two launches per BatchNorm a step).
+pub(crate) fn set_running<B: Backend, const D: usize>(
+    state: &RunningState<Tensor<B, D>>,
+    value: Tensor<B, D>,
+) {
+    // the id is the clone's alone, and the clone is dropped
+    let _ = state
+        .clone()
+        .load_record(Param::initialized(ParamId::new(), value));
 }
 
 /// The values a BatchNorm averages per channel of `[batch, channels, h, w]`: `batch * h * w`.
@@ -305,8 +314,8 @@ mod tests {
         }
         // moving averages: 0.9 * 0 + 0.1 * 3, and 0.9 * 1 + 0.1 * 14 / 3 (the unbiased
         // variance: 3.5 * 4 / 3)
-        let mean = bn.moving_mean.value_sync().into_scalar();
-        let var = bn.moving_variance.value_sync().into_scalar();
+        let mean = bn.moving_mean.value().into_scalar();
+        let var = bn.moving_variance.value().into_scalar();
         assert!(
             (mean - 0.3).abs() < 1e-6 && (var - (0.9 + 0.1 * 14.0 / 3.0)).abs() < 1e-6,
             "{mean} {var}"

@@ -164,11 +164,13 @@ impl<B: SsdBackend, C: CheckpointStrategy> SsdBackend for Autodiff<B, C> {
     fn moving_average(
         average: FloatTensor<Self>,
         value: FloatTensor<Self>,
+        scale: f32,
         keep: f32,
     ) -> FloatTensor<Self> {
         Self::from_inner(B::moving_average(
             Self::inner(average),
             Self::inner(value),
+            scale,
             keep,
         ))
     }

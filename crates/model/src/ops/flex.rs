@@ -375,14 +375,15 @@ impl SsdBackend for Flex {
     fn moving_average(
         average: FloatTensor<Self>,
         value: FloatTensor<Self>,
+        scale: f32,
         keep: f32,
     ) -> FloatTensor<Self> {
         if !all_f32(&[&average, &value]) {
-            return reference::moving_average::<Self>(average, value, keep);
+            return reference::moving_average::<Self>(average, value, scale, keep);
         }
         let value = contiguous(&value);
         let mut average = writable(average);
-        cpu::moving_average_in_place(average.storage_mut::<f32>(), values(&value), keep);
+        cpu::moving_average_in_place(average.storage_mut::<f32>(), values(&value), scale, keep);
         average
     }
 

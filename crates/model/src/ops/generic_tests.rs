@@ -330,7 +330,7 @@ fn inference_and_update_case<B: SsdBackend>(seed: u64) -> Outcome {
         values(affine_relu6(x.mul_scalar(4.0), s6, h6)),
         values(half_squared_norm(param.clone())),
         values(add_scaled(grad.clone(), param.clone(), 0.5)),
-        values(moving_average(param, grad.clone(), 0.99)),
+        values(moving_average(param, grad.clone(), 1.25, 0.99)),
     ];
     out.extend(rmsprop_update(slots, grad, step).map(values));
     out

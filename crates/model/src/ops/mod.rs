@@ -20,7 +20,7 @@ pub mod reference;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Shape, Tensor, TensorCreationOptions, TensorData, TensorPrimitive};
 
 /// Gradients of [`SsdBackend::conv_same`].
 #[derive(Debug)]
@@ -327,15 +327,18 @@ pub trait SsdBackend: Backend {
         reference::rmsprop_update::<Self>(state, grad, step)
     }
 
-    /// One step of an exponential moving average, `average - (1 - keep) (average - value)`
-    /// (`tf.train.ExponentialMovingAverage`'s update), in `f32` (on the CPU into `average`'s
-    /// buffer where nothing else holds it).
+    /// One step of an exponential moving average towards `scale value`,
+    /// `average - (1 - keep) (average - scale value)` (`tf.train.ExponentialMovingAverage`'s
+    /// update; `scale` is 1 but for BatchNorm's moving variance, where it makes the batch's
+    /// variance unbiased), in `f32` (on the CPU into `average`'s buffer where nothing else
+    /// holds it).
     fn moving_average(
         average: FloatTensor<Self>,
         value: FloatTensor<Self>,
+        scale: f32,
         keep: f32,
     ) -> FloatTensor<Self> {
-        reference::moving_average::<Self>(average, value, keep)
+        reference::moving_average::<Self>(average, value, scale, keep)
     }
 
     /// Runs `f`, a block of many tensor operations (a forward pass, a training step), where
@@ -478,9 +481,10 @@ pub fn rmsprop_update<B: SsdBackend, const D: usize>(
 pub fn moving_average<B: SsdBackend, const D: usize>(
     average: Tensor<B, D>,
     value: Tensor<B, D>,
+    scale: f32,
     keep: f32,
 ) -> Tensor<B, D> {
-    tensor(B::moving_average(prim(average), prim(value), keep))
+    tensor(B::moving_average(prim(average), prim(value), scale, keep))
 }
 
 /// [`SsdBackend::add_scaled`] on tensors.
@@ -495,6 +499,18 @@ pub fn add_scaled<B: SsdBackend, const D: usize>(
 /// [`SsdBackend::half_squared_norm`] on tensors.
 pub fn half_squared_norm<B: SsdBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 1> {
     tensor(B::half_squared_norm(prim(x)))
+}
+
+/// A tensor of `shape` with every value `value`, written from the host. A GPU compiles no
+/// kernel for it, where `Tensor::zeros` / `ones` / `full` launch a fill that fusion joins with
+/// the fills around it into a different kernel for every grouping and cube size: 19 of a cold
+/// pets step's kernels made the network's first values, 15 the optimizer's slots.
+pub fn filled<B: Backend, const D: usize>(
+    shape: impl Into<Shape>,
+    value: f32,
+    options: impl Into<TensorCreationOptions<B>>,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::full(shape, value), options)
 }
 
 #[cfg(test)]

@@ -577,8 +577,13 @@ pub fn rmsprop_update<B: Backend>(
 pub fn moving_average<B: Backend>(
     average: FloatTensor<B>,
     value: FloatTensor<B>,
+    scale: f32,
     keep: f32,
 ) -> FloatTensor<B> {
+    let value = match scale {
+        1.0 => value,
+        _ => B::float_mul_scalar(value, scale.into()),
+    };
     let step = B::float_mul_scalar(B::float_sub(average.clone(), value), (1.0 - keep).into());
     B::float_sub(average, step)
 }

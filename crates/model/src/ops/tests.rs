@@ -634,13 +634,14 @@ fn rmsprop_and_moving_average_match_the_reference() {
     let want = values(tensor::<Flex, 4>(reference::moving_average::<Flex>(
         prim(w.clone()),
         prim(value.clone()),
+        1.25,
         0.99,
     )));
     let before = values(w.clone());
-    let shared = moving_average(w.clone(), value.clone(), 0.99);
+    let shared = moving_average(w.clone(), value.clone(), 1.25, 0.99);
     assert_close("moving average", values(shared), want.clone(), 1e-6);
     assert_eq!(values(w.clone()), before, "the shared average changed");
-    let own = moving_average(w * 1.0, value, 0.99);
+    let own = moving_average(w * 1.0, value, 1.25, 0.99);
     assert_close("moving average in place", values(own), want, 1e-6);
 }
 

@@ -55,7 +55,7 @@ impl<B: SsdBackend> Averaging<B> {
             Some(before) => {
                 let before = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(before));
                 let value = value.to_device(&before.device());
-                moving_average(before, value, self.keep)
+                moving_average(before, value, 1.0, self.keep)
             }
             None => value,
         };

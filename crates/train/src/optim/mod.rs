@@ -11,9 +11,9 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::record::Record;
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
-use model::ops::{RmsPropStep, SsdBackend, rmsprop_update};
+use model::ops::{RmsPropStep, SsdBackend, filled, rmsprop_update};
 
 use crate::config::OptimizerConfig;
 
@@ -106,10 +106,10 @@ impl<B: SsdBackend> SimpleOptimizer<B> for TfOptimizer {
                 let (ms, mom, time) = match state {
                     Some(s) => (
                         s.first,
-                        s.second.unwrap_or_else(|| filled(&tensor, 0.0)),
+                        s.second.unwrap_or_else(|| filled_like(&tensor, 0.0)),
                         s.time,
                     ),
-                    None => (filled(&tensor, 1.0), filled(&tensor, 0.0), 0),
+                    None => (filled_like(&tensor, 1.0), filled_like(&tensor, 0.0), 0),
                 };
                 let step = RmsPropStep {
                     learning_rate: lr as f32,
@@ -150,10 +150,10 @@ impl<B: SsdBackend> SimpleOptimizer<B> for TfOptimizer {
                 let (m, v, time) = match state {
                     Some(s) => (
                         s.first,
-                        s.second.unwrap_or_else(|| filled(&tensor, 0.0)),
+                        s.second.unwrap_or_else(|| filled_like(&tensor, 0.0)),
                         s.time,
                     ),
-                    None => (filled(&tensor, 0.0), filled(&tensor, 0.0), 0),
+                    None => (filled_like(&tensor, 0.0), filled_like(&tensor, 0.0), 0),
                 };
                 let t = time as i32 + 1;
                 let m = m.mul_scalar(beta1) + grad.clone().mul_scalar(1.0 - beta1);
@@ -183,12 +183,10 @@ impl<B: SsdBackend> SimpleOptimizer<B> for TfOptimizer {
     }
 }
 
-/// A slot's first value: `like`'s shape, type and device, every value `value`. Written from the
-/// host, so a GPU compiles no kernel for it (fusion would join the fills of neighbouring
-/// parameters into a different kernel for every grouping: 15 of a cold pets step's kernels).
-fn filled<B: Backend, const D: usize>(like: &Tensor<B, D>, value: f32) -> Tensor<B, D> {
-    let data = TensorData::full_dtype(like.shape(), value, like.dtype());
-    Tensor::from_data(data, &like.device())
+/// A slot's first value: `like`'s shape, type and device, every value `value`, written from the
+/// host ([`filled`]).
+fn filled_like<B: Backend, const D: usize>(like: &Tensor<B, D>, value: f32) -> Tensor<B, D> {
+    filled(like.shape(), value, (&like.device(), like.dtype()))
 }
 
 /// The sum of the squared gradients of a module's parameters, formed on the device (a lone

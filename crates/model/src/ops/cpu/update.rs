@@ -46,15 +46,15 @@ pub fn rmsprop_update_in_place([w, ms, mom]: [&mut [f32]; 3], grad: &[f32], step
         });
 }
 
-/// `average <- average - (1 - keep) (average - value)`, in place and in parallel.
-pub fn moving_average_in_place(average: &mut [f32], value: &[f32], keep: f32) {
+/// `average <- average - (1 - keep) (average - scale value)`, in place and in parallel.
+pub fn moving_average_in_place(average: &mut [f32], value: &[f32], scale: f32, keep: f32) {
     assert_eq!(value.len(), average.len());
     average
         .par_chunks_mut(ELEMENTWISE_CHUNK)
         .zip(value.par_chunks(ELEMENTWISE_CHUNK))
         .for_each(|(average, value)| {
             for (a, &v) in average.iter_mut().zip(value) {
-                *a -= (*a - v) * (1.0 - keep);
+                *a -= (*a - v * scale) * (1.0 - keep);
             }
         });
 }

@@ -136,6 +136,7 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
     fn moving_average(
         average: FloatTensor<Self>,
         value: FloatTensor<Self>,
+        scale: f32,
         keep: f32,
     ) -> FloatTensor<Self> {
         let shape = average.shape();
@@ -143,7 +144,7 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
             "ssd_moving_average",
             [average, value],
             vec![shape],
-            Custom::MovingAverage { keep },
+            Custom::MovingAverage { scale, keep },
         );
         outputs.remove(0)
     }
@@ -210,7 +211,7 @@ enum Custom {
     /// outputs the new `[weights, mean_square, momentum]`.
     RmsProp { step: RmsPropStep },
     /// [`SsdBackend::moving_average`] of inputs `[average, value]`.
-    MovingAverage { keep: f32 },
+    MovingAverage { scale: f32, keep: f32 },
 }
 
 /// A custom operation in the fusion stream: runs [`Custom`] on the backend `B` underneath.
@@ -266,7 +267,9 @@ impl<B: FusionBackend + SsdBackend> Operation<B::FusionRuntime> for CustomOp<B> 
                 let state = RmsPropState::from_array([input(), input(), input()]);
                 B::rmsprop_update(state, input(), step).into_array().into()
             }
-            Custom::MovingAverage { keep } => vec![B::moving_average(input(), input(), keep)],
+            Custom::MovingAverage { scale, keep } => {
+                vec![B::moving_average(input(), input(), scale, keep)]
+            }
         };
         for (ir, tensor) in self.desc.outputs.iter().zip(outputs) {
             handles.register_float_tensor::<B>(&ir.id, tensor);

@@ -93,9 +93,10 @@ where
     fn moving_average(
         average: FloatTensor<Self>,
         value: FloatTensor<Self>,
+        scale: f32,
         keep: f32,
     ) -> FloatTensor<Self> {
-        updates::moving_average(average, value, keep)
+        updates::moving_average(average, value, scale, keep)
     }
 
     fn copies_device_to_device() -> bool {

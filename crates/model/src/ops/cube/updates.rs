@@ -51,14 +51,16 @@ fn rmsprop_kernel<F: Float>(
     new_weights[i] = weights[i] - mom;
 }
 
-/// `out = a - (a - b) factor` (`factor = 1 - keep`: the moving average), or, with `add`,
-/// `out = a + b factor`; one unit per value.
+/// `out = a - (a - b scale) factor` (`factor = 1 - keep`: the moving average), or, with
+/// `add`, `out = a + b factor`; one unit per value.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn combine_kernel<F: Float>(
     a: &Tensor<F>,
     b: &Tensor<F>,
     out: &mut Tensor<F>,
     factor: InputScalar,
+    scale: InputScalar,
     add: u32,
     #[comptime] units: u32,
     #[define(F)] _dtype: StorageType,
@@ -71,7 +73,7 @@ fn combine_kernel<F: Float>(
     out[i] = select(
         add == 1,
         a[i] + b[i] * factor,
-        a[i] - (a[i] - b[i]) * factor,
+        a[i] - (a[i] - b[i] * scale.get::<F>()) * factor,
     );
 }
 
@@ -142,8 +144,8 @@ pub fn rmsprop<R: CubeRuntime>(
 
 /// How [`combine`] joins its two tensors.
 enum Combine {
-    /// `a - (a - b) (1 - keep)`.
-    MovingAverage { keep: f32 },
+    /// `a - (a - b scale) (1 - keep)`.
+    MovingAverage { scale: f32, keep: f32 },
     /// `a + alpha b`.
     AddScaled { alpha: f32 },
 }
@@ -151,9 +153,9 @@ enum Combine {
 fn combine<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>, how: Combine) -> CubeTensor<R> {
     let (a, b) = (into_contiguous(a), into_contiguous(b));
     let out = empty_like(&a);
-    let (factor, add) = match how {
-        Combine::MovingAverage { keep } => (1.0 - keep, 0),
-        Combine::AddScaled { alpha } => (alpha, 1),
+    let (factor, scale, add) = match how {
+        Combine::MovingAverage { scale, keep } => (1.0 - keep, scale, 0),
+        Combine::AddScaled { alpha } => (alpha, 1.0, 1),
     };
     let dtype = a.dtype;
     let (count, dim) = per_value(&a);
@@ -165,6 +167,7 @@ fn combine<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>, how: Combine) -> 
         b.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         InputScalar::new(factor, dtype),
+        InputScalar::new(scale, dtype),
         add,
         UNITS,
         dtype.into(),
@@ -172,13 +175,14 @@ fn combine<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>, how: Combine) -> 
     out
 }
 
-/// `average - (average - value) (1 - keep)`.
+/// `average - (average - scale value) (1 - keep)`.
 pub fn moving_average<R: CubeRuntime>(
     average: CubeTensor<R>,
     value: CubeTensor<R>,
+    scale: f32,
     keep: f32,
 ) -> CubeTensor<R> {
-    combine(average, value, Combine::MovingAverage { keep })
+    combine(average, value, Combine::MovingAverage { scale, keep })
 }
 
 /// `x + alpha y` for tensors of one shape.
