@@ -503,7 +503,7 @@ pub fn half_squared_norm<B: SsdBackend, const D: usize>(x: Tensor<B, D>) -> Tens
 
 /// A tensor of `shape` with every value `value`, written from the host. A GPU compiles no
 /// kernel for it, where `Tensor::zeros` / `ones` / `full` launch a fill that fusion joins with
-/// the fills around it into a different kernel for every grouping and cube size: 19 of a cold
+/// the fills around it into a different kernel for every grouping and cube size: 17 of a cold
 /// pets step's kernels made the network's first values, 15 the optimizer's slots.
 pub fn filled<B: Backend, const D: usize>(
     shape: impl Into<Shape>,
