@@ -157,6 +157,22 @@ pub trait SsdBackend: Backend {
         reference::conv_same_backward::<Self>(x, weight, grad, stride, depthwise, wanted)
     }
 
+    /// The input gradient of a dense convolution (no groups, no dilation) of an input of
+    /// `size` (`[h, w]`, with the pads that `padding` does not make), `weight [out, in, k,
+    /// k]`, for the output gradient `grad`: the transposed convolution, as Burn's
+    /// `conv2d_x_backward` makes it. The GPU backends run it as a matrix product and `col2im`
+    /// (module `cube`), where Burn without autotuning takes a direct kernel.
+    fn conv_input_grad(
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        size: [usize; 2],
+        stride: usize,
+        padding: [usize; 2],
+    ) -> FloatTensor<Self> {
+        let options = reference::input_grad_options(&weight, &grad, size, stride, padding);
+        Self::conv_transpose2d(grad, weight, None, options)
+    }
+
     /// The depthwise case of [`SsdBackend::conv_same`] without bias, `weight [in, 1, k, k]`:
     /// the GPU backends run it as a kernel of this crate (module `cube`).
     fn depthwise_conv(

@@ -201,8 +201,8 @@ fn pointwise_grads<B: Backend>(
 }
 
 /// The input (when `want_x`) and filter gradients of a dense convolution: [`pointwise_grads`]
-/// for a 1x1 one of stride 1, else Burn's own.
-fn dense_grads<B: Backend>(
+/// for a 1x1 one of stride 1, else [`SsdBackend::conv_input_grad`] and Burn's filter gradient.
+fn dense_grads<B: SsdBackend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     grad: FloatTensor<B>,
@@ -217,12 +217,9 @@ fn dense_grads<B: Backend>(
     let same = Same::new(&x, kernel, stride, 1);
     let input = same.input::<B>(x);
     let dx = want_x.then(|| {
-        let dx = B::conv2d_x_backward(
-            input.clone(),
-            weight.clone(),
-            grad.clone(),
-            same.options.clone(),
-        );
+        let [_, _, rows, cols] = input.shape().dims();
+        let padding = same.options.padding;
+        let dx = B::conv_input_grad(weight.clone(), grad.clone(), [rows, cols], stride, padding);
         if same.folded() {
             return dx;
         }
@@ -231,6 +228,34 @@ fn dense_grads<B: Backend>(
     });
     let dweight = B::conv2d_weight_backward(input, weight, grad, same.options);
     (dx, dweight)
+}
+
+/// The options of the transposed convolution of `grad` by `weight` that is the input
+/// gradient of a dense convolution of an input of `size` (see
+/// [`SsdBackend::conv_input_grad`]): `padding_out` restores the last rows and columns that
+/// the forward convolution's stride left unread.
+pub fn input_grad_options(
+    weight: &impl TensorMetadata,
+    grad: &impl TensorMetadata,
+    size: [usize; 2],
+    stride: usize,
+    padding: [usize; 2],
+) -> ConvTransposeOptions<2> {
+    let kernel = weight.shape().dims::<4>()[2];
+    let [_, _, rows, cols] = grad.shape().dims();
+    // the transposed convolution gives (out - 1) stride + kernel - 2 pad + padding_out
+    let padding_out =
+        |size: usize, out: usize, pad: usize| size + 2 * pad - (out - 1) * stride - kernel;
+    ConvTransposeOptions::new(
+        [stride, stride],
+        padding,
+        [
+            padding_out(size[0], rows, padding[0]),
+            padding_out(size[1], cols, padding[1]),
+        ],
+        [1, 1],
+        1,
+    )
 }
 
 /// The input (when `want_x`) and filter gradients of a depthwise convolution, each one

@@ -32,6 +32,29 @@ impl<B: FusionBackend + SsdBackend> SsdBackend for Fusion<B> {
         outputs.remove(0)
     }
 
+    fn conv_input_grad(
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        size: [usize; 2],
+        stride: usize,
+        padding: [usize; 2],
+    ) -> FloatTensor<Self> {
+        let batch = grad.shape().dims::<4>()[0];
+        let channels = weight.shape().dims::<4>()[1];
+        let shape = burn::tensor::Shape::new([batch, channels, size[0], size[1]]);
+        let mut outputs = register::<B, 2>(
+            "ssd_conv_input_grad",
+            [weight, grad],
+            vec![shape],
+            Custom::ConvInputGrad {
+                size,
+                stride,
+                padding,
+            },
+        );
+        outputs.remove(0)
+    }
+
     fn depthwise_conv_backward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -194,6 +217,12 @@ fn register<B: FusionBackend + SsdBackend, const N: usize>(
 enum Custom {
     /// [`SsdBackend::depthwise_conv`] of inputs `[x, weight]`.
     DepthwiseConv { stride: usize },
+    /// [`SsdBackend::conv_input_grad`] of inputs `[weight, grad]`.
+    ConvInputGrad {
+        size: [usize; 2],
+        stride: usize,
+        padding: [usize; 2],
+    },
     /// [`SsdBackend::depthwise_conv_backward`] of inputs `[x, weight, grad]`: outputs the
     /// filter gradient, then the input gradient when `want_x`.
     DepthwiseConvBackward { stride: usize, want_x: bool },
@@ -243,6 +272,14 @@ impl<B: FusionBackend + SsdBackend> Operation<B::FusionRuntime> for CustomOp<B> 
             Custom::DepthwiseConv { stride } => {
                 let (x, weight) = (input(), input());
                 vec![B::depthwise_conv(x, weight, stride)]
+            }
+            Custom::ConvInputGrad {
+                size,
+                stride,
+                padding,
+            } => {
+                let (weight, grad) = (input(), input());
+                vec![B::conv_input_grad(weight, grad, size, stride, padding)]
             }
             Custom::DepthwiseConvBackward { stride, want_x } => {
                 let (x, weight, grad) = (input(), input(), input());
