@@ -7,8 +7,8 @@
 //! the optimizer's per-parameter arithmetic ([`updates`]), which fusion would join into a
 //! different kernel for every group of parameters. The 3x3 dense layers' input gradients
 //! take Burn's transposed convolution as a matrix product and `col2im`, the variant its
-//! autotuning picks, instead of the direct kernel Burn takes without. Burn's fusion wrapper hands them to the
-//! backend underneath as custom operations (`fusion`).
+//! autotuning picks, instead of the direct kernel Burn takes without. Burn's fusion wrapper
+//! hands them to the backend underneath as custom operations (`fusion`).
 
 pub mod batch_norm;
 pub mod depthwise;
