@@ -4,6 +4,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::module::conv2d;
+use burn::tensor::ops::conv::calculate_padding_out;
 use burn::tensor::ops::{ConvOptions, ConvTransposeOptions, FloatTensor, PadMode};
 use burn::tensor::{Tensor, TensorMetadata};
 
@@ -243,9 +244,9 @@ pub fn input_grad_options(
 ) -> ConvTransposeOptions<2> {
     let kernel = weight.shape().dims::<4>()[2];
     let [_, _, rows, cols] = grad.shape().dims();
-    // the transposed convolution gives (out - 1) stride + kernel - 2 pad + padding_out
-    let padding_out =
-        |size: usize, out: usize, pad: usize| size + 2 * pad - (out - 1) * stride - kernel;
+    let padding_out = |size: usize, out: usize, pad: usize| {
+        calculate_padding_out(kernel, stride, pad, 1, size, out)
+    };
     ConvTransposeOptions::new(
         [stride, stride],
         padding,
