@@ -3,11 +3,11 @@
 //! TF-written checkpoint, on a TFRecord batch of two PNG images, with the API's pipeline.config
 //! (`load_all_detection_checkpoint_vars`, batch 2, no augmentation). Matches and mined
 //! negatives exactly; loss parts, gradients, RMSProp slots, weights, EMA shadows and
-//! BatchNorm moving statistics within float tolerance; on one device and as two replicas.
+//! BatchNorm moving statistics within float tolerance; on one device and as two replicas, and
+//! the learner's step on wgpu within the same tolerances.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -16,13 +16,13 @@ use burn::tensor::Tensor;
 use data::loader::{Batch, Loader, LoaderConfig, Position};
 use data::tfrecord::RecordIndex;
 use model::loss::{compute_loss, mine_hard_examples};
+use model::ops::SsdBackend;
 use model::targets::{ImageTargets, Match, assign_targets};
 use model::tf::names::{is_depthwise_kernel, kernel_from_tf, named_tensors};
 use model::{Ssd, SsdConfig};
 use safetensors::SafeTensors;
 use serde_json::Value;
 use train::config::TrainConfig;
-use train::learner::{RunOptions, train};
 use train::optim::TfOptimizer;
 use train::trained::{TrainedModel, Weights, fine_tune};
 
@@ -458,18 +458,16 @@ fn check_gradients(config: &TrainConfig, batch: &Batch, tf: &Tf, run: &str) -> f
     norm
 }
 
-/// The learner's step: the checkpoint it writes after one step against TF's state after it.
-fn check_learner_step(config: &TrainConfig, tf: &Tf, run: &str, replicas: usize) {
+/// The learner's step on `devices` (one replica each): the checkpoint it writes after one
+/// step against TF's state after it; `run` names TF's run ("one" device or "two" replicas).
+fn check_learner_step<D: SsdBackend>(
+    config: &TrainConfig,
+    tf: &Tf,
+    run: &str,
+    devices: &[D::Device],
+) {
     let dir = tempfile::tempdir().unwrap();
-    let options = RunOptions {
-        model_dir: dir.path().to_path_buf(),
-        stop: Arc::new(AtomicBool::new(false)),
-        verbose: false,
-        nodes: None,
-        repeat_first_batch: false,
-        without_lock: false,
-    };
-    train::<B>(config, &vec![Default::default(); replicas], &options).unwrap();
+    crate::common::run_on::<D>(config, dir.path(), devices).unwrap();
     let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
     let line: Value =
         serde_json::from_str(metrics.lines().find(|l| l.contains("\"loss\"")).unwrap()).unwrap();
@@ -574,7 +572,7 @@ fn one_step_on_one_device_equals_tf() {
     let config = step_config();
     let tf = Tf::load();
     check_gradients(&config, &batch(&config), &tf, "one");
-    check_learner_step(&config, &tf, "one", 1);
+    check_learner_step::<B>(&config, &tf, "one", &[Default::default()]);
 }
 
 #[test]
@@ -582,7 +580,18 @@ fn one_step_on_two_replicas_equals_tf() {
     let config = step_config();
     let tf = Tf::load();
     check_gradients(&config, &batch(&config), &tf, "two");
-    check_learner_step(&config, &tf, "two", 2);
+    check_learner_step::<B>(&config, &tf, "two", &[Default::default(); 2]);
+}
+
+/// The learner's step on wgpu (this project's CubeCL kernels and Burn's under fusion) against
+/// TF's, within the tolerances the CPU meets.
+#[cfg(feature = "wgpu")]
+#[test]
+fn one_step_on_wgpu_equals_tf() {
+    let Some(devices) = crate::wgpu::wgpu_devices(&[0]) else {
+        return;
+    };
+    check_learner_step::<burn::backend::Wgpu>(&step_config(), &Tf::load(), "one", &devices);
 }
 
 /// The network's training forward pass written with Burn's own tensor operations only

@@ -20,7 +20,7 @@ use train::config::TrainConfig;
 use train::learner::RunSummary;
 
 /// The wgpu devices `ids`, or `None` (the test is skipped) where this machine has no adapter.
-fn wgpu_devices(ids: &[usize]) -> Option<Vec<WgpuDevice>> {
+pub(crate) fn wgpu_devices(ids: &[usize]) -> Option<Vec<WgpuDevice>> {
     match train::devices::wgpu::devices(ids) {
         Ok(devices) => Some(devices),
         Err(e) if std::env::var("WGPU_TESTS_REQUIRED").is_ok_and(|v| v == "1") => {
