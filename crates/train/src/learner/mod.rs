@@ -115,6 +115,10 @@ pub fn train<B: SsdBackend>(
     }
     let log = RunLog::open(&options.model_dir, shape.leader(), options.verbose)?;
     log.say(format!(
+        "model dir: {} (checkpoints, metrics.jsonl, TensorBoard event files)",
+        options.model_dir.display()
+    ));
+    log.say(format!(
         "{} training records in {} files; global batch {} = {} replica(s){} x {per_replica}",
         index.len(),
         index.files().len(),
