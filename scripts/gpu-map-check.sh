@@ -5,24 +5,33 @@
 # agree within MAP_TOL (default 0.01). Builds nothing: run it from the repository root next to
 # `train` and `xtask` binaries built elsewhere, e.g.
 #   BIN=./train XTASK=./xtask DEVICES=wgpu scripts/gpu-map-check.sh
-# Each run stops after LIMIT seconds (default 540). The logs and model dirs go to $OUT.
+# Each run stops after LIMIT seconds (default 500). The logs and model dirs go to $OUT.
 set -euo pipefail
 BIN=${BIN:-target/release/train}
 XTASK=${XTASK:-target/release/xtask}
 DEVICES=${DEVICES:-wgpu}
 OUT=${OUT:-gpu-map-check}
 MAP_TOL=${MAP_TOL:-0.01}
-LIMIT=${LIMIT:-540}
+LIMIT=${LIMIT:-500}
 mkdir -p "$OUT"
-# the synthetic set once, before two runs that would each generate it
-[ -d datasets/synthetic ] || "$XTASK" prepare-data >"$OUT/prepare.log" 2>&1
+# the synthetic set once, before two runs that would each generate it into the same files
+if ! compgen -G 'datasets/synthetic/train.record-*' >/dev/null; then
+  "$XTASK" prepare-data >"$OUT/prepare.log" 2>&1 || {
+    tail -n 20 "$OUT/prepare.log"
+    echo "gpu-map-check: preparing the synthetic set failed"
+    exit 1
+  }
+fi
 rm -rf "$OUT/cpu" "$OUT/gpu"
 timeout "$LIMIT" "$BIN" --devices cpu --model-dir "$OUT/cpu" >"$OUT/cpu.log" 2>&1 &
 cpu=$!
+# the CPU run ends with this script, and at once when the GPU run fails
+trap 'kill "$cpu" 2>/dev/null || true' EXIT
 status=0
 timeout "$LIMIT" "$BIN" --devices "$DEVICES" --model-dir "$OUT/gpu" >"$OUT/gpu.log" 2>&1 ||
   status=$?
-wait "$cpu" || status=$?
+[ "$status" = 0 ] || kill "$cpu" 2>/dev/null || true
+wait "$cpu" || [ "$status" != 0 ] || status=$?
 grep -E "^(first step|done:)" "$OUT/cpu.log" "$OUT/gpu.log" || true
 if [ "$status" != 0 ]; then
   tail -n 5 "$OUT/cpu.log" "$OUT/gpu.log"
