@@ -31,7 +31,9 @@ status=0
 timeout "$LIMIT" "$BIN" --devices "$DEVICES" --model-dir "$OUT/gpu" >"$OUT/gpu.log" 2>&1 ||
   status=$?
 [ "$status" = 0 ] || kill "$cpu" 2>/dev/null || true
-wait "$cpu" || [ "$status" != 0 ] || status=$?
+cpu_status=0
+wait "$cpu" || cpu_status=$?
+[ "$status" != 0 ] || status=$cpu_status
 grep -E "^(first step|done:)" "$OUT/cpu.log" "$OUT/gpu.log" || true
 if [ "$status" != 0 ]; then
   tail -n 5 "$OUT/cpu.log" "$OUT/gpu.log"
