@@ -498,7 +498,7 @@ fn data_case(workers: usize, scratch: &Path, repeats: usize) -> Result<Measured>
         image_size: [300, 300],
         num_classes: data::synthetic::CLASSES.len(),
         augmentations: vec![
-            Augmentation::RandomHorizontalFlip,
+            Augmentation::RandomHorizontalFlip { probability: 0.5 },
             Augmentation::SsdRandomCrop { operations: vec![] },
         ],
         shuffle: true,

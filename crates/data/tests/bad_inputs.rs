@@ -110,7 +110,7 @@ fn loader_config(batch_size: usize) -> LoaderConfig {
         batch_size,
         image_size: [32, 32],
         num_classes: 2,
-        augmentations: vec![Augmentation::RandomHorizontalFlip],
+        augmentations: vec![Augmentation::RandomHorizontalFlip { probability: 0.5 }],
         shuffle: false,
         seed: 1,
         workers: 1,

@@ -185,7 +185,7 @@ fn loader_config(workers: usize) -> LoaderConfig {
         image_size: [64, 64],
         num_classes: 2,
         augmentations: vec![
-            Augmentation::RandomHorizontalFlip,
+            Augmentation::RandomHorizontalFlip { probability: 0.5 },
             Augmentation::SsdRandomCrop { operations: vec![] },
         ],
         shuffle: true,

@@ -223,6 +223,81 @@ fn unsupported_settings_are_all_named_with_their_lines() {
     );
 }
 
+/// MINIMAL with these `data_augmentation_options`.
+fn with_augmentation(steps: &str) -> String {
+    let options: String = steps
+        .lines()
+        .map(|step| format!("data_augmentation_options {{ {step} }}\n"))
+        .collect();
+    MINIMAL.replace("num_steps: 10", &format!("num_steps: 10\n{options}"))
+}
+
+#[test]
+fn augmentation_steps_take_their_settings_and_the_proto_defaults() {
+    use data::augment::{Augmentation, CropOperation, JitterMode};
+    let text = with_augmentation(
+        "random_vertical_flip { probability: 0.3 }
+random_rotation90 {}
+random_adjust_hue {}
+random_distort_color { color_ordering: 1 }
+random_rgb_to_gray {}
+random_crop_image { min_object_covered: 0.5 max_area: 0.9 }
+random_image_scale { max_scale_ratio: 1.5 }
+random_jitter_boxes { ratio: 0.1 jitter_mode: SHRINK_SYMMETRIC }
+random_black_patches { max_black_patches: 3 }",
+    );
+    let c = import_text(&text).unwrap().config;
+    assert_eq!(
+        c.data.augmentation,
+        [
+            Augmentation::RandomVerticalFlip { probability: 0.3 },
+            Augmentation::RandomRotation90 { probability: 0.5 },
+            Augmentation::RandomAdjustHue { max_delta: 0.02 },
+            Augmentation::RandomDistortColor { color_ordering: 1 },
+            Augmentation::RandomRgbToGray { probability: 0.1 },
+            Augmentation::RandomCropImage(CropOperation {
+                min_object_covered: 0.5,
+                area_range: [0.1, 0.9],
+                ..CropOperation::default()
+            }),
+            Augmentation::RandomImageScale {
+                min_scale_ratio: 0.5,
+                max_scale_ratio: 1.5,
+            },
+            Augmentation::RandomJitterBoxes {
+                ratio: 0.1,
+                jitter_mode: JitterMode::ShrinkSymmetric,
+            },
+            Augmentation::RandomBlackPatches {
+                max_black_patches: 3,
+                probability: 0.5,
+                size_to_image_ratio: 0.1,
+            },
+        ]
+    );
+    // what the import cannot honour is named with its line
+    let text = with_augmentation(
+        "random_jitter_boxes { jitter_mode: WOBBLE }
+ssd_random_crop_pad {}
+random_horizontal_flip { keypoint_flip_permutation: 1 }",
+    );
+    let e = format!("{:#}", import_text(&text).unwrap_err());
+    for want in [
+        "random_jitter_boxes.jitter_mode: `WOBBLE` is not one of DEFAULT, EXPAND, SHRINK",
+        "data_augmentation_options.ssd_random_crop_pad (line 16): not supported",
+        "random_horizontal_flip.keypoint_flip_permutation (line 17): not supported",
+    ] {
+        assert!(e.contains(want), "missing `{want}` in:\n{e}");
+    }
+    // a setting out of range is refused by the config's check, with the step
+    let text = with_augmentation("random_distort_color { color_ordering: 2 }");
+    let e = format!("{:#}", import_text(&text).unwrap_err());
+    assert!(
+        e.contains("`data.augmentation[0].color_ordering`: 2, expected 0 or 1"),
+        "{e}"
+    );
+}
+
 #[test]
 fn numbers_beyond_a_float_are_named_with_their_lines() {
     // (a bare `nan` or `inf` is a word, refused as "expected a number")

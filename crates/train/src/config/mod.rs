@@ -330,7 +330,7 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
         let mut c = TrainConfig::load(&dir.join("synthetic.json")).unwrap();
         c.data.augmentation = vec![
-            Augmentation::RandomHorizontalFlip,
+            Augmentation::RandomHorizontalFlip { probability: 0.5 },
             Augmentation::SsdRandomCrop {
                 operations: default_ssd_crop_operations(),
             },
@@ -353,6 +353,10 @@ mod tests {
             (
                 Augmentation::RandomPadImage { max_scale: 0.5 },
                 "`data.augmentation[2].max_scale`: [1, 0.5]",
+            ),
+            (
+                Augmentation::RandomRgbToGray { probability: 1.5 },
+                "`data.augmentation[2].probability`: [0, 1.5] is not a range within [0, 1]",
             ),
             // a canvas no memory holds, refused before a loader thread allocates it
             (

@@ -204,8 +204,9 @@ pub struct DataSettings {
     /// Evaluation TFRecords.
     #[serde(default)]
     pub eval: Vec<String>,
-    /// Augmentation steps (`data_augmentation_options`).
-    #[serde(default)]
+    /// Augmentation steps (`data_augmentation_options`): each a step's name alone (the API's
+    /// defaults) or `{"name": {settings}}` ([`data::augment::deserialize_steps`]).
+    #[serde(default, deserialize_with = "data::augment::deserialize_steps")]
     pub augmentation: Vec<Augmentation>,
     /// Loader threads (0: one per core).
     #[serde(default)]

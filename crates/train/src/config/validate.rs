@@ -160,19 +160,34 @@ impl LearningRate {
     }
 }
 
-/// The largest `random_pad_image.max_scale`: a canvas of 64 times the image's area (a
-/// 500-pixel image padded to 4000 pixels a side, 48 MB), far beyond the API's recipes (2).
-const MAX_PAD_SCALE: f32 = 8.0;
+/// The largest `random_pad_image.max_scale` and `random_image_scale.max_scale_ratio`: an image
+/// of 64 times the area (a 500-pixel image padded to 4000 pixels a side, 48 MB), far beyond
+/// the API's recipes (2).
+const MAX_CANVAS_SCALE: f32 = 8.0;
+
+/// The most `random_black_patches.max_black_patches`: each is a draw and a loop over pixels.
+const MAX_BLACK_PATCHES: u32 = 1000;
 
 /// Every augmentation step's ranges: finite, ordered, and inside what the step can do (an
 /// empty or inverted range would otherwise fail inside a loader thread).
 fn validate_augmentation(steps: &[Augmentation]) -> Result<()> {
+    let unit = [0.0, 1.0];
     for (i, step) in steps.iter().enumerate() {
         let field = format!("data.augmentation[{i}]");
+        let check = |name, range, allowed| check_range(&field, name, range, allowed);
         match step {
-            Augmentation::RandomHorizontalFlip => {}
+            Augmentation::RandomHorizontalFlip { probability }
+            | Augmentation::RandomVerticalFlip { probability }
+            | Augmentation::RandomRotation90 { probability }
+            | Augmentation::RandomRgbToGray { probability } => {
+                check("probability", [0.0, *probability], unit)?
+            }
             Augmentation::RandomAdjustBrightness { max_delta } => {
-                check_range(&field, "max_delta", [0.0, *max_delta], [0.0, 1.0])?
+                check("max_delta", [0.0, *max_delta], unit)?
+            }
+            // TF's adjust_hue takes deltas in [-1, 1]
+            Augmentation::RandomAdjustHue { max_delta } => {
+                check("max_delta", [0.0, *max_delta], unit)?
             }
             Augmentation::RandomAdjustContrast {
                 min_delta,
@@ -181,21 +196,49 @@ fn validate_augmentation(steps: &[Augmentation]) -> Result<()> {
             | Augmentation::RandomAdjustSaturation {
                 min_delta,
                 max_delta,
-            } => check_range(
-                &field,
+            } => check(
                 "min_delta..max_delta",
                 [*min_delta, *max_delta],
                 [0.0, f32::MAX],
             )?,
-            // the canvas is allocated: its side is at most MAX_PAD_SCALE times the image's
+            Augmentation::RandomDistortColor { color_ordering } => {
+                if *color_ordering > 1 {
+                    bail!("`{field}.color_ordering`: {color_ordering}, expected 0 or 1");
+                }
+            }
+            // the image is resized: at least a pixel, at most MAX_CANVAS_SCALE times its side
+            Augmentation::RandomImageScale {
+                min_scale_ratio,
+                max_scale_ratio,
+            } => check(
+                "min_scale_ratio..max_scale_ratio",
+                [*min_scale_ratio, *max_scale_ratio],
+                [f32::MIN_POSITIVE, MAX_CANVAS_SCALE],
+            )?,
+            Augmentation::RandomJitterBoxes { ratio, .. } => check("ratio", [0.0, *ratio], unit)?,
+            Augmentation::RandomBlackPatches {
+                max_black_patches,
+                probability,
+                size_to_image_ratio,
+            } => {
+                if *max_black_patches > MAX_BLACK_PATCHES {
+                    bail!(
+                        "`{field}.max_black_patches`: {max_black_patches}, at most {MAX_BLACK_PATCHES}"
+                    );
+                }
+                check("probability", [0.0, *probability], unit)?;
+                check("size_to_image_ratio", [0.0, *size_to_image_ratio], unit)?
+            }
+            // the canvas is allocated: its side is at most MAX_CANVAS_SCALE times the image's
             Augmentation::RandomPadImage { max_scale } => {
-                check_range(&field, "max_scale", [1.0, *max_scale], [1.0, MAX_PAD_SCALE])?
+                check("max_scale", [1.0, *max_scale], [1.0, MAX_CANVAS_SCALE])?
             }
             Augmentation::SsdRandomCrop { operations } => {
                 for (j, op) in operations.iter().enumerate() {
                     validate_crop(&format!("{field}.operations[{j}]"), op)?;
                 }
             }
+            Augmentation::RandomCropImage(op) => validate_crop(&field, op)?,
         }
     }
     Ok(())

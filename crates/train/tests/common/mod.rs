@@ -54,7 +54,9 @@ pub fn config(dir: &Path, steps: u64) -> TrainConfig {
         data: DataSettings {
             train: vec![format!("{}/train.record-*", dir.display())],
             eval: vec![format!("{}/val.record-*", dir.display())],
-            augmentation: vec![data::augment::Augmentation::RandomHorizontalFlip],
+            augmentation: vec![data::augment::Augmentation::RandomHorizontalFlip {
+                probability: 0.5,
+            }],
             workers: 1,
             prefetch: 2,
             synthetic_if_missing: false,

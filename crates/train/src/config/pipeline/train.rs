@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use data::augment::{Augmentation, CropOperation};
+use data::augment::{Augmentation, CropOperation, JitterMode};
 use model::restore::RestoreScope;
 
 use super::section::{Report, Section};
@@ -251,53 +251,119 @@ fn read_learning_rate(lr: Option<Section>, report: &mut Report) -> LearningRate 
     schedule
 }
 
+/// One `data_augmentation_options` entry: the step's defaults (the API's proto defaults,
+/// `Augmentation::with_defaults`) with the fields the config sets.
 fn read_augmentation(step: &mut Section, report: &mut Report) -> Option<Augmentation> {
-    let kinds = [
-        "random_horizontal_flip",
-        "ssd_random_crop",
-        "random_adjust_brightness",
-        "random_adjust_contrast",
-        "random_adjust_saturation",
-        "random_pad_image",
-    ];
-    let (kind, mut a) = step.one_of(&kinds, report)?;
-    let out = match kind.as_str() {
-        "random_horizontal_flip" => Augmentation::RandomHorizontalFlip,
-        "ssd_random_crop" => {
-            let mut operations = Vec::new();
+    let (kind, mut a) = step.one_of(&Augmentation::NAMES, report)?;
+    let mut out = Augmentation::with_defaults(&kind)?;
+    match &mut out {
+        Augmentation::RandomHorizontalFlip { probability }
+        | Augmentation::RandomVerticalFlip { probability }
+        | Augmentation::RandomRotation90 { probability }
+        | Augmentation::RandomRgbToGray { probability } => {
+            *probability = a.number("probability", *probability, report)
+        }
+        Augmentation::SsdRandomCrop { operations } => {
+            // an operation's fields default to the proto's zeros, as in the API
+            let zeros = CropOperation {
+                min_object_covered: 0.0,
+                aspect_ratio_range: [0.0, 0.0],
+                area_range: [0.0, 0.0],
+                overlap_thresh: 0.0,
+                clip_boxes: true,
+                random_coef: 0.0,
+            };
             for mut op in a.children("operations", report) {
-                operations.push(CropOperation {
-                    min_object_covered: op.number("min_object_covered", 0.0, report),
-                    aspect_ratio_range: [
-                        op.number("min_aspect_ratio", 0.0, report),
-                        op.number("max_aspect_ratio", 0.0, report),
-                    ],
-                    area_range: [
-                        op.number("min_area", 0.0, report),
-                        op.number("max_area", 0.0, report),
-                    ],
-                    overlap_thresh: op.number("overlap_thresh", 0.0, report),
-                    clip_boxes: op.flag("clip_boxes", true, report),
-                    random_coef: op.number("random_coef", 0.0, report),
-                });
+                operations.push(read_crop(&mut op, &zeros, report));
                 op.finish(report);
             }
-            Augmentation::SsdRandomCrop { operations }
         }
-        "random_adjust_brightness" => Augmentation::RandomAdjustBrightness {
-            max_delta: a.number("max_delta", 0.2, report),
-        },
-        "random_adjust_contrast" => Augmentation::RandomAdjustContrast {
-            min_delta: a.number("min_delta", 0.8, report),
-            max_delta: a.number("max_delta", 1.25, report),
-        },
-        "random_adjust_saturation" => Augmentation::RandomAdjustSaturation {
-            min_delta: a.number("min_delta", 0.8, report),
-            max_delta: a.number("max_delta", 1.25, report),
-        },
-        // the API's defaults: a canvas up to twice the image size, its mean colour
-        _ => Augmentation::RandomPadImage { max_scale: 2.0 },
-    };
+        Augmentation::RandomCropImage(op) => *op = read_crop(&mut a, op, report),
+        Augmentation::RandomAdjustBrightness { max_delta }
+        | Augmentation::RandomAdjustHue { max_delta } => {
+            *max_delta = a.number("max_delta", *max_delta, report)
+        }
+        Augmentation::RandomAdjustContrast {
+            min_delta,
+            max_delta,
+        }
+        | Augmentation::RandomAdjustSaturation {
+            min_delta,
+            max_delta,
+        } => {
+            *min_delta = a.number("min_delta", *min_delta, report);
+            *max_delta = a.number("max_delta", *max_delta, report);
+        }
+        Augmentation::RandomDistortColor { color_ordering } => {
+            *color_ordering = a.number("color_ordering", *color_ordering, report)
+        }
+        Augmentation::RandomImageScale {
+            min_scale_ratio,
+            max_scale_ratio,
+        } => {
+            *min_scale_ratio = a.number("min_scale_ratio", *min_scale_ratio, report);
+            *max_scale_ratio = a.number("max_scale_ratio", *max_scale_ratio, report);
+        }
+        Augmentation::RandomJitterBoxes { ratio, jitter_mode } => {
+            *ratio = a.number("ratio", *ratio, report);
+            *jitter_mode = read_jitter_mode(&mut a, *jitter_mode, report);
+        }
+        Augmentation::RandomBlackPatches {
+            max_black_patches,
+            probability,
+            size_to_image_ratio,
+        } => {
+            *max_black_patches = a.number("max_black_patches", *max_black_patches, report);
+            *probability = a.number("probability", *probability, report);
+            *size_to_image_ratio = a.number("size_to_image_ratio", *size_to_image_ratio, report);
+        }
+        // the API's defaults: a canvas up to twice the image size, its mean colour; other
+        // settings are left unread and reported as unsupported
+        Augmentation::RandomPadImage { .. } => {}
+    }
     a.finish(report);
     Some(out)
+}
+
+/// A crop operation's fields (`random_crop_image`, an `ssd_random_crop` operation).
+fn read_crop(op: &mut Section, defaults: &CropOperation, report: &mut Report) -> CropOperation {
+    let [min_ratio, max_ratio] = defaults.aspect_ratio_range;
+    let [min_area, max_area] = defaults.area_range;
+    CropOperation {
+        min_object_covered: op.number("min_object_covered", defaults.min_object_covered, report),
+        aspect_ratio_range: [
+            op.number("min_aspect_ratio", min_ratio, report),
+            op.number("max_aspect_ratio", max_ratio, report),
+        ],
+        area_range: [
+            op.number("min_area", min_area, report),
+            op.number("max_area", max_area, report),
+        ],
+        overlap_thresh: op.number("overlap_thresh", defaults.overlap_thresh, report),
+        clip_boxes: op.flag("clip_boxes", defaults.clip_boxes, report),
+        random_coef: op.number("random_coef", defaults.random_coef, report),
+    }
+}
+
+/// `jitter_mode`: `DEFAULT`, `EXPAND`, ... (`RandomJitterBoxes.JitterMode`).
+fn read_jitter_mode(a: &mut Section, default: JitterMode, report: &mut Report) -> JitterMode {
+    let word = a.word("jitter_mode", default.name(), report);
+    match JitterMode::ALL
+        .into_iter()
+        .find(|m| m.name().eq_ignore_ascii_case(&word))
+    {
+        Some(mode) => mode,
+        None => {
+            let names: Vec<String> = JitterMode::ALL
+                .iter()
+                .map(|m| m.name().to_uppercase())
+                .collect();
+            report.errors.push(format!(
+                "{}: `{word}` is not one of {}",
+                a.join("jitter_mode"),
+                names.join(", ")
+            ));
+            default
+        }
+    }
 }

@@ -1,24 +1,16 @@
-//! Data augmentation with the Object Detection API's semantics, selected by a list of options
-//! as a pipeline.config's `data_augmentation_options`. Every step takes the RNG explicitly, so
-//! a seed fixes the output.
+//! The crops and the zoom-out: `ssd_random_crop`, `random_crop_image` (TF's
+//! `sample_distorted_bounding_box` search, then the boxes that stay) and `random_pad_image`.
 
 use image::{Rgb, RgbImage};
 use model::BBox;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-/// An image with its boxes (normalised) and label-map ids.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Annotated {
-    /// Pixels.
-    pub image: RgbImage,
-    /// Normalised boxes.
-    pub boxes: Vec<BBox>,
-    /// Class id of each box.
-    pub labels: Vec<usize>,
-}
+use super::Annotated;
+use super::color::channel_means;
 
-/// One `ssd_random_crop` operation.
+/// One crop: an operation of `ssd_random_crop`, or `random_crop_image` (whose defaults are
+/// [`CropOperation::default`]'s).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CropOperation {
@@ -36,6 +28,22 @@ pub struct CropOperation {
     pub random_coef: f32,
 }
 
+/// `random_crop_image`'s defaults in the API's `preprocessor.proto`: a crop of 10-100% of the
+/// image with an aspect ratio of 0.75-1.33 holding a whole object, boxes kept with 30% of
+/// their area inside, always cropped.
+impl Default for CropOperation {
+    fn default() -> Self {
+        Self {
+            min_object_covered: 1.0,
+            aspect_ratio_range: [0.75, 1.33],
+            area_range: [0.1, 1.0],
+            overlap_thresh: 0.3,
+            clip_boxes: true,
+            random_coef: 0.0,
+        }
+    }
+}
+
 /// The API's seven default `ssd_random_crop` operations.
 pub fn default_ssd_crop_operations() -> Vec<CropOperation> {
     [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
@@ -49,148 +57,6 @@ pub fn default_ssd_crop_operations() -> Vec<CropOperation> {
             random_coef: 0.15,
         })
         .collect()
-}
-
-/// One augmentation step (`data_augmentation_options` entry).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum Augmentation {
-    /// Mirror left-right with probability 0.5.
-    RandomHorizontalFlip,
-    /// One of the operations (uniformly chosen) of `ssd_random_crop`; empty = the defaults.
-    SsdRandomCrop {
-        /// The operations.
-        #[serde(default)]
-        operations: Vec<CropOperation>,
-    },
-    /// Add a uniform delta in `[-max_delta, max_delta]` (on the `[0, 1]` scale), clip.
-    RandomAdjustBrightness {
-        /// Default 0.2.
-        max_delta: f32,
-    },
-    /// Scale each channel's deviation from its mean by a factor in `[min, max]`.
-    RandomAdjustContrast {
-        /// Default 0.8.
-        min_delta: f32,
-        /// Default 1.25.
-        max_delta: f32,
-    },
-    /// Scale saturation by a factor in `[min, max]`.
-    RandomAdjustSaturation {
-        /// Default 0.8.
-        min_delta: f32,
-        /// Default 1.25.
-        max_delta: f32,
-    },
-    /// Zoom out: place the image at a random spot of a canvas up to `max_scale` times larger,
-    /// filled with the image's mean colour (`random_pad_image`).
-    RandomPadImage {
-        /// Largest canvas side relative to the image (2.0 in the API's SSD recipes).
-        max_scale: f32,
-    },
-}
-
-impl Augmentation {
-    /// Applies the step.
-    pub fn apply(&self, sample: Annotated, rng: &mut impl Rng) -> Annotated {
-        match self {
-            Self::RandomHorizontalFlip => {
-                if rng.random::<f32>() < 0.5 {
-                    flip_horizontal(sample)
-                } else {
-                    sample
-                }
-            }
-            Self::SsdRandomCrop { operations } => {
-                let defaults;
-                let ops = if operations.is_empty() {
-                    defaults = default_ssd_crop_operations();
-                    &defaults
-                } else {
-                    operations
-                };
-                let op = &ops[rng.random_range(0..ops.len())];
-                random_crop(sample, op, rng)
-            }
-            Self::RandomAdjustBrightness { max_delta } => {
-                let delta = rng.random_range(-*max_delta..=*max_delta) * 255.0;
-                map_pixels(sample, |p| p.map(|v| v + delta))
-            }
-            Self::RandomAdjustContrast {
-                min_delta,
-                max_delta,
-            } => {
-                let factor = rng.random_range(*min_delta..=*max_delta);
-                let mean = channel_means(&sample.image);
-                map_pixels(sample, |p| {
-                    [0, 1, 2].map(|c| (p[c] - mean[c]) * factor + mean[c])
-                })
-            }
-            Self::RandomAdjustSaturation {
-                min_delta,
-                max_delta,
-            } => {
-                let factor = rng.random_range(*min_delta..=*max_delta);
-                map_pixels(sample, |p| saturate(p, factor))
-            }
-            Self::RandomPadImage { max_scale } => random_pad(sample, *max_scale, rng),
-        }
-    }
-}
-
-/// Applies the steps in order.
-pub fn augment(mut sample: Annotated, steps: &[Augmentation], rng: &mut impl Rng) -> Annotated {
-    for step in steps {
-        sample = step.apply(sample, rng);
-    }
-    sample
-}
-
-fn channel_means(img: &RgbImage) -> [f32; 3] {
-    let mut sum = [0f64; 3];
-    for p in img.pixels() {
-        for c in 0..3 {
-            sum[c] += p[c] as f64;
-        }
-    }
-    let n = (img.width() as f64 * img.height() as f64).max(1.0);
-    sum.map(|s| (s / n) as f32)
-}
-
-/// TF's `adjust_saturation`: the pixel's HSV saturation times `factor`, clipped to 1, hue and
-/// value kept. With hue and value fixed every channel keeps its place between the value (the
-/// largest channel) and the smallest channel `v (1 - s)`, so each moves from the value in
-/// proportion to the new saturation: `c' = v - (v - c) s' / s`.
-fn saturate(p: [f32; 3], factor: f32) -> [f32; 3] {
-    let v = p[0].max(p[1]).max(p[2]);
-    let min = p[0].min(p[1]).min(p[2]);
-    if v <= 0.0 || v == min {
-        return p; // black or grey: no saturation to scale
-    }
-    let s = (v - min) / v;
-    let scale = (s * factor).clamp(0.0, 1.0) / s;
-    p.map(|c| v - (v - c) * scale)
-}
-
-fn map_pixels(mut sample: Annotated, f: impl Fn([f32; 3]) -> [f32; 3]) -> Annotated {
-    for p in sample.image.pixels_mut() {
-        let out = f(p.0.map(f32::from));
-        p.0 = out.map(|v| v.round().clamp(0.0, 255.0) as u8);
-    }
-    sample
-}
-
-/// Mirrors image and boxes: `xmin' = 1 - xmax`, `xmax' = 1 - xmin`.
-pub fn flip_horizontal(sample: Annotated) -> Annotated {
-    Annotated {
-        image: image::imageops::flip_horizontal(&sample.image),
-        boxes: sample
-            .boxes
-            .iter()
-            .map(|b| BBox::new(b.ymin, 1.0 - b.xmax, b.ymax, 1.0 - b.xmin))
-            .collect(),
-        labels: sample.labels,
-    }
 }
 
 /// A crop rectangle in pixels: `x, y, width, height`.
@@ -404,37 +270,10 @@ pub fn random_pad(sample: Annotated, max_scale: f32, rng: &mut impl Rng) -> Anno
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::sample;
     use super::*;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
-
-    fn sample() -> Annotated {
-        let image = RgbImage::from_fn(200, 100, |x, y| Rgb([x as u8, y as u8, (x + y) as u8]));
-        Annotated {
-            image,
-            boxes: vec![
-                BBox::new(0.1, 0.1, 0.5, 0.3),
-                BBox::new(0.6, 0.7, 0.9, 0.95),
-                BBox::new(0.0, 0.0, 1.0, 1.0),
-            ],
-            labels: vec![1, 2, 1],
-        }
-    }
-
-    #[test]
-    fn flip_twice_is_identity() {
-        let s = sample();
-        let f = flip_horizontal(s.clone());
-        assert_eq!(f.boxes[0], BBox::new(0.1, 0.7, 0.5, 0.9));
-        assert_eq!(f.image.get_pixel(0, 0), s.image.get_pixel(199, 0));
-        let back = flip_horizontal(f);
-        assert_eq!(back.image, s.image);
-        for (a, b) in back.boxes.iter().zip(&s.boxes) {
-            for (x, y) in a.to_array().iter().zip(b.to_array()) {
-                assert!((x - y).abs() < 1e-6);
-            }
-        }
-    }
 
     #[test]
     fn crops_keep_valid_boxes_and_cover_an_object() {
@@ -542,43 +381,6 @@ mod tests {
     }
 
     #[test]
-    fn contrast_and_saturation_follow_tfs_definitions() {
-        let image = RgbImage::from_vec(2, 1, vec![200, 100, 50, 40, 60, 80]).unwrap();
-        let one = |step: Augmentation| {
-            let s = Annotated {
-                image: image.clone(),
-                boxes: vec![],
-                labels: vec![],
-            };
-            step.apply(s, &mut StdRng::seed_from_u64(0))
-                .image
-                .into_raw()
-        };
-        // contrast: each channel's distance from its mean over the image times the factor
-        // (means 120, 80, 65), clipped to [0, 255], rounded
-        let contrast = one(Augmentation::RandomAdjustContrast {
-            min_delta: 1.5,
-            max_delta: 1.5,
-        });
-        assert_eq!(contrast, [240, 110, 43, 0, 50, 88]);
-        // saturation, in HSV: (200, 100, 50) has value 200 and saturation 0.75; times 1.2 it
-        // is 0.9, so the smallest channel goes to 200 (1 - 0.9) = 20 and the middle one keeps
-        // its place between them, 20 + 180 (100 - 50) / 150 = 80; (40, 60, 80): value 80,
-        // saturation 0.5 -> 0.6, smallest 32, middle 56
-        let saturated = one(Augmentation::RandomAdjustSaturation {
-            min_delta: 1.2,
-            max_delta: 1.2,
-        });
-        assert_eq!(saturated, [200, 80, 20, 32, 56, 80]);
-        // saturation 0.75 times 2 clips at 1: the smallest channel reaches 0
-        let clipped = one(Augmentation::RandomAdjustSaturation {
-            min_delta: 2.0,
-            max_delta: 2.0,
-        });
-        assert_eq!(clipped[..3], [200, 67, 0]);
-    }
-
-    #[test]
     fn crop_keeps_only_boxes_meeting_the_overlap_rule() {
         // right half of the 200x100 image: box 0 (x 0.1-0.3) is outside, box 1 (x 0.7-0.95)
         // inside, the whole-image box has half its area inside
@@ -598,22 +400,6 @@ mod tests {
     }
 
     #[test]
-    fn same_seed_same_output() {
-        let steps = vec![
-            Augmentation::RandomHorizontalFlip,
-            Augmentation::SsdRandomCrop { operations: vec![] },
-            Augmentation::RandomAdjustBrightness { max_delta: 0.2 },
-            Augmentation::RandomPadImage { max_scale: 2.0 },
-        ];
-        let a = augment(sample(), &steps, &mut StdRng::seed_from_u64(9));
-        let b = augment(sample(), &steps, &mut StdRng::seed_from_u64(9));
-        assert_eq!(a, b);
-        let differs =
-            (10..20).any(|s| augment(sample(), &steps, &mut StdRng::seed_from_u64(s)) != a);
-        assert!(differs);
-    }
-
-    #[test]
     fn pad_keeps_boxes_on_their_pixels() {
         let s = sample();
         let out = random_pad(s.clone(), 2.0, &mut StdRng::seed_from_u64(1));
@@ -624,13 +410,5 @@ mod tests {
             (b.ymin * h as f32).round() as u32,
         );
         assert_eq!(out.image.get_pixel(x, y), s.image.get_pixel(20, 10));
-    }
-
-    #[test]
-    fn options_parse_from_json() {
-        let steps: Vec<Augmentation> =
-            serde_json::from_str(r#"["random_horizontal_flip", {"ssd_random_crop": {}}, {"random_pad_image": {"max_scale": 2.0}}]"#).unwrap();
-        assert_eq!(steps.len(), 3);
-        assert!(serde_json::from_str::<Vec<Augmentation>>(r#"["random_flip"]"#).is_err());
     }
 }
