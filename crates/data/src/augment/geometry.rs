@@ -10,40 +10,37 @@ use super::Annotated;
 
 /// Mirrors image and boxes left-right: `xmin' = 1 - xmax`, `xmax' = 1 - xmin`.
 pub fn flip_horizontal(sample: Annotated) -> Annotated {
-    Annotated {
-        image: image::imageops::flip_horizontal(&sample.image),
-        boxes: map_boxes(&sample.boxes, |b| {
-            BBox::new(b.ymin, 1.0 - b.xmax, b.ymax, 1.0 - b.xmin)
-        }),
-        labels: sample.labels,
-    }
+    moved(sample, image::imageops::flip_horizontal, |b| {
+        BBox::new(b.ymin, 1.0 - b.xmax, b.ymax, 1.0 - b.xmin)
+    })
 }
 
 /// Mirrors image and boxes up-down (`_flip_boxes_up_down`).
 pub fn flip_vertical(sample: Annotated) -> Annotated {
-    Annotated {
-        image: image::imageops::flip_vertical(&sample.image),
-        boxes: map_boxes(&sample.boxes, |b| {
-            BBox::new(1.0 - b.ymax, b.xmin, 1.0 - b.ymin, b.xmax)
-        }),
-        labels: sample.labels,
-    }
+    moved(sample, image::imageops::flip_vertical, |b| {
+        BBox::new(1.0 - b.ymax, b.xmin, 1.0 - b.ymin, b.xmax)
+    })
 }
 
 /// Turns image and boxes a quarter counter-clockwise (`tf.image.rot90`, `_rot90_boxes`): the
 /// left edge becomes the bottom, `ymin' = 1 - xmax`, `xmin' = ymin`.
 pub fn rotate_quarter(sample: Annotated) -> Annotated {
-    Annotated {
-        image: image::imageops::rotate270(&sample.image),
-        boxes: map_boxes(&sample.boxes, |b| {
-            BBox::new(1.0 - b.xmax, b.ymin, 1.0 - b.xmin, b.ymax)
-        }),
-        labels: sample.labels,
-    }
+    moved(sample, image::imageops::rotate270, |b| {
+        BBox::new(1.0 - b.xmax, b.ymin, 1.0 - b.xmin, b.ymax)
+    })
 }
 
-fn map_boxes(boxes: &[BBox], f: impl Fn(&BBox) -> BBox) -> Vec<BBox> {
-    boxes.iter().map(f).collect()
+/// The image and every box moved alike.
+fn moved(
+    sample: Annotated,
+    image: fn(&RgbImage) -> RgbImage,
+    bbox: fn(&BBox) -> BBox,
+) -> Annotated {
+    Annotated {
+        image: image(&sample.image),
+        boxes: sample.boxes.iter().map(bbox).collect(),
+        labels: sample.labels,
+    }
 }
 
 /// `random_image_scale` with the drawn `coef`: the image resized to `int(h coef) x int(w coef)`
@@ -92,7 +89,8 @@ fn resize_align_corners(image: &RgbImage, out_w: u32, out_h: u32) -> RgbImage {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum JitterMode {
-    /// Each side independently, out or in by up to `ratio` of the box's size.
+    /// Each side independently, out or in by up to half `ratio` of the box's size (its
+    /// distance from the centre scaled by a factor in `[1 - ratio, 1 + ratio]`).
     #[default]
     Default,
     /// Each side independently, only out.
@@ -144,7 +142,8 @@ impl JitterMode {
     }
 }
 
-/// `random_jitter_boxes`: every box's sides moved by random fractions of its size, then
+/// `random_jitter_boxes`: every box's sides moved by random fractions of its size (a side's
+/// distance from the centre, half the size, times `1 + u` with `u` in the mode's range), then
 /// clipped to the image. The image stays.
 pub fn jitter_boxes(
     mut sample: Annotated,
@@ -274,6 +273,7 @@ mod tests {
     fn assert_like_tf(got: &Annotated, image: &[f64], boxes: &[[f32; 4]], what: &str) {
         let want: Vec<u8> = image.iter().map(|&v| v as u8).collect();
         assert_eq!(got.image.as_raw(), &want, "{what}: pixels");
+        assert_eq!(got.boxes.len(), boxes.len(), "{what}: boxes");
         for (a, b) in got.boxes.iter().zip(boxes) {
             assert!(close(a, *b), "{what}: {a:?} against TF's {b:?}");
         }

@@ -103,7 +103,7 @@ pub enum Augmentation {
         /// Default 2.0.
         max_scale_ratio: f32,
     },
-    /// Move each box's sides by up to `ratio` of its size ([`JitterMode`]).
+    /// Move each box's sides by up to half `ratio` of its size ([`JitterMode`]).
     RandomJitterBoxes {
         /// Default 0.05.
         ratio: f32,
@@ -213,27 +213,19 @@ impl Augmentation {
             }
             Self::RandomCropImage(op) => random_crop(sample, op, rng),
             Self::RandomAdjustBrightness { max_delta } => {
-                let delta = rng.random_range(-*max_delta..=*max_delta);
-                recolour(sample, |p| p.brightness(delta))
+                adjust(sample, -*max_delta, *max_delta, rng, Pixels::brightness)
             }
             Self::RandomAdjustContrast {
                 min_delta,
                 max_delta,
-            } => {
-                let factor = rng.random_range(*min_delta..=*max_delta);
-                recolour(sample, |p| p.contrast(factor))
-            }
+            } => adjust(sample, *min_delta, *max_delta, rng, Pixels::contrast),
             Self::RandomAdjustHue { max_delta } => {
-                let delta = rng.random_range(-*max_delta..=*max_delta);
-                recolour(sample, |p| p.hue(delta))
+                adjust(sample, -*max_delta, *max_delta, rng, Pixels::hue)
             }
             Self::RandomAdjustSaturation {
                 min_delta,
                 max_delta,
-            } => {
-                let factor = rng.random_range(*min_delta..=*max_delta);
-                recolour(sample, |p| p.saturation(factor))
-            }
+            } => adjust(sample, *min_delta, *max_delta, rng, Pixels::saturation),
             Self::RandomDistortColor { color_ordering } => {
                 distort_color(sample, *color_ordering, rng)
             }
@@ -285,6 +277,18 @@ fn maybe(
     }
 }
 
+/// One `random_adjust_*` step: `f` with a value drawn uniformly from `[lo, hi]`.
+fn adjust(
+    sample: Annotated,
+    lo: f32,
+    hi: f32,
+    rng: &mut impl Rng,
+    f: fn(&mut Pixels, f32),
+) -> Annotated {
+    let value = rng.random_range(lo..=hi);
+    recolour(sample, |p| f(p, value))
+}
+
 /// The image's pixels changed in float by `f`, rounded to 8 bits once at the end.
 fn recolour(mut sample: Annotated, f: impl FnOnce(&mut Pixels)) -> Annotated {
     let mut pixels = Pixels::of(&sample.image);
@@ -293,25 +297,38 @@ fn recolour(mut sample: Annotated, f: impl FnOnce(&mut Pixels)) -> Annotated {
     sample
 }
 
-/// `random_distort_color`: four adjustments with its fixed ranges, in the order
-/// `color_ordering` picks (anything but 0 is 1: the config's check allows only 0 and 1).
+/// The values `random_distort_color` draws, from the API's fixed ranges.
+struct ColorDraws {
+    brightness: f32,
+    saturation: f32,
+    hue: f32,
+    contrast: f32,
+}
+
+/// `random_distort_color`: four adjustments in the order `color_ordering` picks.
 fn distort_color(sample: Annotated, color_ordering: u8, rng: &mut impl Rng) -> Annotated {
-    let brightness = rng.random_range(-32.0 / 255.0..=32.0 / 255.0);
-    let mut factor = || rng.random_range(0.5..=1.5f32);
-    let (first, second) = (factor(), factor());
-    let hue = rng.random_range(-0.2..=0.2f32);
-    recolour(sample, |p| {
-        p.brightness(brightness);
-        if color_ordering == 0 {
-            p.saturation(first);
-            p.hue(hue);
-            p.contrast(second);
-        } else {
-            p.contrast(first);
-            p.saturation(second);
-            p.hue(hue);
-        }
-    })
+    let draws = ColorDraws {
+        brightness: rng.random_range(-32.0 / 255.0..=32.0 / 255.0),
+        saturation: rng.random_range(0.5..=1.5),
+        hue: rng.random_range(-0.2..=0.2),
+        contrast: rng.random_range(0.5..=1.5),
+    };
+    recolour(sample, |p| distort(p, color_ordering, &draws))
+}
+
+/// Ordering 0: brightness, saturation, hue, contrast; any other (the config's check allows
+/// only 1): brightness, contrast, saturation, hue.
+fn distort(p: &mut Pixels, color_ordering: u8, d: &ColorDraws) {
+    p.brightness(d.brightness);
+    if color_ordering == 0 {
+        p.saturation(d.saturation);
+        p.hue(d.hue);
+        p.contrast(d.contrast);
+    } else {
+        p.contrast(d.contrast);
+        p.saturation(d.saturation);
+        p.hue(d.hue);
+    }
 }
 
 /// Applies the steps in order.
@@ -522,34 +539,27 @@ mod tests {
     }
 
     #[test]
-    fn distort_color_applies_its_four_adjustments_in_order() {
-        let steps = |ordering| Augmentation::RandomDistortColor {
-            color_ordering: ordering,
+    fn distort_color_applies_its_four_adjustments_in_the_apis_order() {
+        let d = ColorDraws {
+            brightness: 0.1,
+            saturation: 1.4,
+            hue: 0.15,
+            contrast: 0.6,
         };
-        // the same draws in both orders: the two differ, each equals its adjustments in turn
-        for ordering in [0, 1] {
-            let out = steps(ordering).apply(sample(), &mut StdRng::seed_from_u64(3));
-            let mut rng = StdRng::seed_from_u64(3);
-            let brightness = rng.random_range(-32.0 / 255.0..=32.0 / 255.0f32);
-            let (first, second) = (
-                rng.random_range(0.5..=1.5f32),
-                rng.random_range(0.5..=1.5f32),
-            );
-            let hue = rng.random_range(-0.2..=0.2f32);
-            let want = recolour(sample(), |p| {
-                p.brightness(brightness);
-                if ordering == 0 {
-                    p.saturation(first);
-                    p.hue(hue);
-                    p.contrast(second);
-                } else {
-                    p.contrast(first);
-                    p.saturation(second);
-                    p.hue(hue);
-                }
-            });
-            assert_eq!(out, want, "ordering {ordering}");
-            assert_ne!(out.image, sample().image);
-        }
+        let chain = |steps: &[&dyn Fn(&mut Pixels)]| {
+            let mut p = Pixels::of(&sample().image);
+            steps.iter().for_each(|step| step(&mut p));
+            recolour(sample(), |q| *q = p)
+        };
+        let brightness = |p: &mut Pixels| p.brightness(0.1);
+        let saturation = |p: &mut Pixels| p.saturation(1.4);
+        let hue = |p: &mut Pixels| p.hue(0.15);
+        let contrast = |p: &mut Pixels| p.contrast(0.6);
+        // preprocessor.py's random_distort_color, color_ordering 0 and 1
+        let first = chain(&[&brightness, &saturation, &hue, &contrast]);
+        let second = chain(&[&brightness, &contrast, &saturation, &hue]);
+        assert_ne!(first.image, second.image, "the order shows in the pixels");
+        assert_eq!(recolour(sample(), |p| distort(p, 0, &d)), first);
+        assert_eq!(recolour(sample(), |p| distort(p, 1, &d)), second);
     }
 }

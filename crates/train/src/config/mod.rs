@@ -364,6 +364,20 @@ mod tests {
                 "`data.augmentation[2].max_scale`: [1, 1000000000] is not a range within [1, 8]",
             ),
         ];
+        let scale = Augmentation::RandomImageScale {
+            min_scale_ratio: 0.5,
+            max_scale_ratio: 4.0,
+        };
+        let mut grown = c.clone();
+        grown.data.augmentation.push(scale.clone());
+        grown.validate().unwrap();
+        // two steps each within the bound whose canvases together are not
+        grown.data.augmentation.push(scale);
+        let err = grown.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`data.augmentation[3]`: with the steps before it an image's side may grow 16 times, beyond 8"),
+            "{err}"
+        );
         for (step, message) in cases {
             let mut bad = c.clone();
             bad.data.augmentation.push(step);

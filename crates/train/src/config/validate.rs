@@ -160,9 +160,10 @@ impl LearningRate {
     }
 }
 
-/// The largest `random_pad_image.max_scale` and `random_image_scale.max_scale_ratio`: an image
-/// of 64 times the area (a 500-pixel image padded to 4000 pixels a side, 48 MB), far beyond
-/// the API's recipes (2).
+/// How many times its side an image may grow through the steps together
+/// (`random_pad_image.max_scale` times `random_image_scale.max_scale_ratio`): 64 times the
+/// area (a 500-pixel image padded to 4000 pixels a side, 48 MB), far beyond the API's recipes
+/// (2).
 const MAX_CANVAS_SCALE: f32 = 8.0;
 
 /// The most `random_black_patches.max_black_patches`: each is a draw and a loop over pixels.
@@ -239,6 +240,27 @@ fn validate_augmentation(steps: &[Augmentation]) -> Result<()> {
                 }
             }
             Augmentation::RandomCropImage(op) => validate_crop(&field, op)?,
+        }
+    }
+    check_canvas_growth(steps)
+}
+
+/// The canvases are allocated: an image's growth through the steps together is bounded.
+fn check_canvas_growth(steps: &[Augmentation]) -> Result<()> {
+    let mut growth = 1.0f32;
+    for (i, step) in steps.iter().enumerate() {
+        let field = format!("data.augmentation[{i}]");
+        growth *= match step {
+            Augmentation::RandomPadImage { max_scale } => *max_scale,
+            Augmentation::RandomImageScale {
+                max_scale_ratio, ..
+            } => max_scale_ratio.max(1.0),
+            _ => 1.0,
+        };
+        if growth > MAX_CANVAS_SCALE {
+            bail!(
+                "`{field}`: with the steps before it an image's side may grow {growth} times, beyond {MAX_CANVAS_SCALE} (the product of `random_pad_image.max_scale` and `random_image_scale.max_scale_ratio`)"
+            );
         }
     }
     Ok(())
