@@ -69,14 +69,14 @@ pub fn parse_devices(spec: Option<&str>) -> Result<(Devices, String)> {
             let ids = indices(s, s, "a CUDA ordinal")?;
             let available = cuda_device_count();
             if let Some(bad) = ids.iter().find(|&&i| i >= available) {
-                bail!(
-                    "--devices {s}: CUDA device {bad} does not exist ({available} found{})",
-                    if cfg!(feature = "cuda") {
-                        ""
-                    } else {
-                        "; built without the `cuda` feature"
-                    }
-                );
+                let why = if cfg!(not(feature = "cuda")) {
+                    "; built without the `cuda` feature"
+                } else if available == 0 {
+                    "; `--devices cpu` trains on the CPU, `--devices wgpu` on a Vulkan or Metal GPU"
+                } else {
+                    ""
+                };
+                bail!("--devices {s}: CUDA device {bad} does not exist ({available} found{why})");
             }
             Ok((
                 Devices::Cuda(ids.clone()),
@@ -349,5 +349,9 @@ mod tests {
         let ordinal = cuda_device_count().to_string();
         let err = parse_devices(Some(&ordinal)).unwrap_err().to_string();
         assert!(err.contains("does not exist"), "{err}");
+        // without a CUDA device the error says how to train anyway
+        if cuda_device_count() == 0 && cfg!(feature = "cuda") {
+            assert!(err.contains("`--devices cpu` trains on the CPU"), "{err}");
+        }
     }
 }
