@@ -10,9 +10,34 @@ use crate::error::{ModelError, Result};
 /// (HWC) in `[0, 255]`. Source coordinates are `dst * in / out`, as TF 1's default resize.
 pub fn resize_bilinear(image: &RgbImage, out_h: usize, out_w: usize) -> Vec<f32> {
     let (in_w, in_h) = (image.width() as usize, image.height() as usize);
+    let scale = |n: usize, out: usize| n as f32 / out as f32;
+    resize_scaled(image, out_h, out_w, scale(in_h, out_h), scale(in_w, out_w))
+}
+
+/// [`resize_bilinear`] as TF's `align_corners=True`: the corner pixels' centres stay on the
+/// corners, source coordinates `dst * (in - 1) / (out - 1)`.
+pub fn resize_bilinear_aligned(image: &RgbImage, out_h: usize, out_w: usize) -> Vec<f32> {
+    let (in_w, in_h) = (image.width() as usize, image.height() as usize);
+    let scale = |n: usize, out: usize| {
+        if out > 1 {
+            (n - 1) as f32 / (out - 1) as f32
+        } else {
+            0.0
+        }
+    };
+    resize_scaled(image, out_h, out_w, scale(in_h, out_h), scale(in_w, out_w))
+}
+
+/// Bilinear resize with source coordinates `dst * scale`, clamped to the last pixel.
+fn resize_scaled(
+    image: &RgbImage,
+    out_h: usize,
+    out_w: usize,
+    scale_y: f32,
+    scale_x: f32,
+) -> Vec<f32> {
+    let (in_w, in_h) = (image.width() as usize, image.height() as usize);
     let raw = image.as_raw();
-    let scale_y = in_h as f32 / out_h as f32;
-    let scale_x = in_w as f32 / out_w as f32;
     let xs: Vec<(usize, usize, f32)> = (0..out_w)
         .map(|x| {
             let src = x as f32 * scale_x;

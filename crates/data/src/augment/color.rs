@@ -28,14 +28,7 @@ impl Pixels {
     }
 
     fn means(&self) -> [f32; 3] {
-        let mut sum = [0f64; 3];
-        for p in &self.0 {
-            for c in 0..3 {
-                sum[c] += p[c] as f64;
-            }
-        }
-        let n = (self.0.len() as f64).max(1.0);
-        sum.map(|s| (s / n) as f32)
+        means(self.0.iter().copied())
     }
 
     /// `tf.image.adjust_brightness`: `delta` (on the `[0, 1]` scale) added to every channel.
@@ -69,7 +62,18 @@ impl Pixels {
 
 /// The mean of each channel over the image.
 pub(super) fn channel_means(image: &RgbImage) -> [f32; 3] {
-    Pixels::of(image).means()
+    means(image.pixels().map(|p| p.0.map(f32::from)))
+}
+
+fn means(pixels: impl Iterator<Item = [f32; 3]>) -> [f32; 3] {
+    let (mut sum, mut n) = ([0f64; 3], 0usize);
+    for p in pixels {
+        for c in 0..3 {
+            sum[c] += p[c] as f64;
+        }
+        n += 1;
+    }
+    sum.map(|s| (s / n.max(1) as f64) as f32)
 }
 
 /// TF's `adjust_saturation`: the pixel's HSV saturation times `factor`, clipped to 1, hue and

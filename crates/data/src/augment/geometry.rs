@@ -3,6 +3,7 @@
 
 use image::{Rgb, RgbImage};
 use model::BBox;
+use model::preprocess::resize_bilinear_aligned;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -16,7 +17,7 @@ pub fn flip_horizontal(sample: Annotated) -> Annotated {
 }
 
 /// Mirrors image and boxes up-down (`_flip_boxes_up_down`).
-pub fn flip_vertical(sample: Annotated) -> Annotated {
+pub(super) fn flip_vertical(sample: Annotated) -> Annotated {
     moved(sample, image::imageops::flip_vertical, |b| {
         BBox::new(1.0 - b.ymax, b.xmin, 1.0 - b.ymin, b.xmax)
     })
@@ -24,7 +25,7 @@ pub fn flip_vertical(sample: Annotated) -> Annotated {
 
 /// Turns image and boxes a quarter counter-clockwise (`tf.image.rot90`, `_rot90_boxes`): the
 /// left edge becomes the bottom, `ymin' = 1 - xmax`, `xmin' = ymin`.
-pub fn rotate_quarter(sample: Annotated) -> Annotated {
+pub(super) fn rotate_quarter(sample: Annotated) -> Annotated {
     moved(sample, image::imageops::rotate270, |b| {
         BBox::new(1.0 - b.xmax, b.ymin, 1.0 - b.xmin, b.ymax)
     })
@@ -46,43 +47,16 @@ fn moved(
 /// `random_image_scale` with the drawn `coef`: the image resized to `int(h coef) x int(w coef)`
 /// (at least a pixel) by `tf.image.resize_images(..., align_corners=True)`, bilinear with the
 /// corner pixels' centres kept; the normalised boxes stay.
-pub fn scale_image(sample: Annotated, coef: f32) -> Annotated {
+pub(super) fn scale_image(sample: Annotated, coef: f32) -> Annotated {
     let (w, h) = sample.image.dimensions();
     let size = |n: u32| ((n as f32 * coef) as u32).max(1);
-    Annotated {
-        image: resize_align_corners(&sample.image, size(w), size(h)),
-        ..sample
-    }
-}
-
-fn resize_align_corners(image: &RgbImage, out_w: u32, out_h: u32) -> RgbImage {
-    let (w, h) = image.dimensions();
-    // source coordinate of an output pixel, and the neighbour below it with the weight
-    let taps = |out: u32, n: u32| -> Vec<(u32, u32, f32)> {
-        let scale = if out > 1 {
-            (n - 1) as f32 / (out - 1) as f32
-        } else {
-            0.0
-        };
-        (0..out)
-            .map(|i| {
-                let at = i as f32 * scale;
-                let lo = (at.floor() as u32).min(n - 1);
-                (lo, (lo + 1).min(n - 1), at - lo as f32)
-            })
-            .collect()
-    };
-    let (xs, ys) = (taps(out_w, w), taps(out_h, h));
-    RgbImage::from_fn(out_w, out_h, |x, y| {
-        let ((x0, x1, fx), (y0, y1, fy)) = (xs[x as usize], ys[y as usize]);
-        let at = |x, y| image.get_pixel(x, y).0.map(f32::from);
-        let (a, b, c, d) = (at(x0, y0), at(x1, y0), at(x0, y1), at(x1, y1));
-        Rgb([0, 1, 2].map(|k| {
-            let top = a[k] + (b[k] - a[k]) * fx;
-            let bottom = c[k] + (d[k] - c[k]) * fx;
-            (top + (bottom - top) * fy).round().clamp(0.0, 255.0) as u8
-        }))
-    })
+    let (w, h) = (size(w), size(h));
+    let hwc = resize_bilinear_aligned(&sample.image, h as usize, w as usize);
+    let image = RgbImage::from_fn(w, h, |x, y| {
+        let at = (y as usize * w as usize + x as usize) * 3;
+        Rgb([0, 1, 2].map(|c| hwc[at + c].round().clamp(0.0, 255.0) as u8))
+    });
+    Annotated { image, ..sample }
 }
 
 /// How `random_jitter_boxes` moves a box's sides (`RandomJitterBoxes.JitterMode`).
@@ -145,7 +119,7 @@ impl JitterMode {
 /// `random_jitter_boxes`: every box's sides moved by random fractions of its size (a side's
 /// distance from the centre, half the size, times `1 + u` with `u` in the mode's range), then
 /// clipped to the image. The image stays.
-pub fn jitter_boxes(
+pub(super) fn jitter_boxes(
     mut sample: Annotated,
     ratio: f32,
     mode: JitterMode,
@@ -204,7 +178,7 @@ fn jittered(b: &BBox, mode: JitterMode, [f0, f1, f2, f3]: [f32; 4]) -> BBox {
 /// `random_black_patches`: `max_patches` tries, each with `probability` of a black square of
 /// side `size_ratio * min(h, w)` (truncated) at a random place, its corner drawn in
 /// `[0, 1 - size_ratio)` of the height and width. The boxes stay.
-pub fn black_patches(
+pub(super) fn black_patches(
     mut sample: Annotated,
     max_patches: u32,
     probability: f32,
@@ -327,6 +301,13 @@ mod tests {
         for (s, o) in shrunk.boxes.iter().zip(&sample().boxes) {
             assert!(s.height() <= o.height() + 1e-6 && s.width() <= o.width() + 1e-6);
             assert!(s.height() >= o.height() * 0.95 - 1e-6, "{s:?} {o:?}");
+        }
+    }
+
+    #[test]
+    fn jitter_mode_names_are_their_json_names() {
+        for mode in JitterMode::ALL {
+            assert_eq!(serde_json::to_value(mode).unwrap(), mode.name());
         }
     }
 

@@ -15,10 +15,8 @@ use serde_json::{Map, Value};
 
 use color::Pixels;
 pub use crop::{CropOperation, default_ssd_crop_operations, random_crop, random_pad};
-pub use geometry::{
-    JitterMode, black_patches, flip_horizontal, flip_vertical, jitter_boxes, rotate_quarter,
-    scale_image,
-};
+pub use geometry::{JitterMode, flip_horizontal};
+use geometry::{black_patches, flip_vertical, jitter_boxes, rotate_quarter, scale_image};
 
 /// An image with its boxes (normalised) and label-map ids.
 #[derive(Debug, Clone, PartialEq)]
@@ -351,7 +349,7 @@ pub fn deserialize_steps<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Augmenta
 }
 
 /// One step from JSON ([`deserialize_steps`]).
-pub fn step_from_json(value: Value) -> Result<Augmentation, String> {
+fn step_from_json(value: Value) -> Result<Augmentation, String> {
     let (name, settings) = match &value {
         Value::String(name) => (name.clone(), Map::new()),
         Value::Object(map) => match map.iter().collect::<Vec<_>>()[..] {
